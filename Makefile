@@ -1,0 +1,27 @@
+# Every target creates or refreshes .venv first, so a fresh machine needs only `make demo` / `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Re-install when the project's metadata changes; otherwise the targets start at once.
+STAMP  := $(VENV)/.graphopt-installed
+# The CPU build of torch for development and CI; the library itself declares torch>=2.6.
+TORCH  := torch==2.13.0
+
+.PHONY: venv test demo clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/graphopt demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,42 @@
+"""graphopt: make PyTorch models faster by rewriting their torch.fx graphs, verified.
+
+    import graphopt
+    fast = graphopt.optimize(model.eval(), (torch.randn(8, 3, 224, 224),))
+    print(fast.graphopt_report)
+"""
+
+from graphopt.api import OptimizedModule, optimize
+from graphopt.capture import capture
+from graphopt.errors import (
+    CaptureError,
+    GraphoptError,
+    InvalidInputsError,
+    InvalidModelError,
+    InvalidOptionError,
+    ModeSwitchError,
+    PassModeError,
+    UnknownPassError,
+    VerificationError,
+)
+from graphopt.pipeline import list_passes
+from graphopt.report import PassReport, Report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "GraphoptError",
+    "InvalidInputsError",
+    "InvalidModelError",
+    "InvalidOptionError",
+    "ModeSwitchError",
+    "OptimizedModule",
+    "PassModeError",
+    "PassReport",
+    "Report",
+    "UnknownPassError",
+    "VerificationError",
+    "capture",
+    "list_passes",
+    "optimize",
+]

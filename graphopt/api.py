@@ -1,0 +1,172 @@
+"""``graphopt.optimize``: options -> capture -> verified passes -> the module handed back.
+
+The user's model is deep-copied once, at entry, and never touched again. The returned
+`OptimizedModule` shares the optimized graph's parameters and submodules directly (no
+wrapper prefix), so ``state_dict()`` keys are the model's own where a parameter still
+exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphopt.capture import FRONTENDS, capture_graph
+from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError
+from graphopt.passes import MODES, Mode, PassContext
+from graphopt.pipeline import resolve_passes, run_passes
+from graphopt.report import Report
+from graphopt.validate import check_inputs, check_model, reference_outputs
+from graphopt.verify import tolerance_for
+
+
+class OptimizedModule(nn.Module):
+    """The module `optimize` returns: the optimized graph, its report, and mode guards.
+
+    - ``graphopt_report``: the `Report` of what was done.
+    - ``graph_module``: the optimized ``torch.fx.GraphModule`` (also ``.graph``, ``.code``).
+    - Inference: forward runs under ``torch.inference_mode()``, or ``torch.no_grad()``
+      when the graph updates stored state (inference tensors must not leak into it).
+      Outputs are then inference tensors: use them for inference, not in autograd.
+    - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
+      removed dropout would train wrongly); a graph captured by torch.export has its
+      train/eval behaviour fixed, so switching its mode raises too.
+    """
+
+    graph_module: fx.GraphModule
+
+    def __init__(self, graph_module: fx.GraphModule, report: Report) -> None:
+        super().__init__()
+        # Share, don't register: registering would prefix every state_dict key with "graph_module.".
+        object.__setattr__(self, "graph_module", graph_module)
+        self._modules = graph_module._modules
+        self._parameters = graph_module._parameters
+        self._buffers = graph_module._buffers
+        self._non_persistent_buffers_set = graph_module._non_persistent_buffers_set
+        self.graphopt_report = report
+        self.training = report.mode == "training"
+        self._grad_context: Callable[[], ContextManager[Any]] | None = None
+        if report.mode == "inference":
+            self._grad_context = torch.no_grad if _updates_state(graph_module) else torch.inference_mode
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def code(self) -> str:
+        return self.graph_module.code
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._grad_context is None:
+            return self.graph_module(*args, **kwargs)
+        with self._grad_context():
+            return self.graph_module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        report = self.graphopt_report
+        if mode and report.mode == "inference":
+            raise ModeSwitchError(
+                "this module was optimized for inference (BatchNorm folded into convs, dropout removed): training it "
+                "would be wrong. Optimize the original model with graphopt.optimize(model, inputs, mode='training') "
+                "to train, and keep this one for inference."
+            )
+        if report.frontend == "export" and mode != (report.mode == "training"):
+            raise ModeSwitchError(
+                f"this module was captured by torch.export in {report.mode} mode, which fixes train/eval behaviour in "
+                "the graph: .train()/.eval() cannot change it. Optimize the original model again for the other mode, "
+                "or use frontend='fx' when the model traces with it."
+            )
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"
+
+
+def _updates_state(gm: fx.GraphModule) -> bool:
+    """Whether running the graph writes to stored tensors (an in-place op on an attribute)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target._schema.is_mutable and any(arg.op == "get_attr" for arg in node.all_input_nodes):
+                return True
+    return False
+
+
+def _resolve_mode(mode: str | None, model: nn.Module) -> Mode:
+    if mode is None:
+        return "training" if model.training else "inference"
+    if mode not in MODES:
+        raise InvalidOptionError(f"unknown mode {mode!r}: use 'inference', 'training', or None (inference when the model is in eval mode)")
+    return mode  # type: ignore[return-value]
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    mode: str | None = None,
+    passes: Sequence[str] | None = None,
+    disable: Iterable[str] = (),
+    frontend: str = "auto",
+    dynamic_batch: bool = True,
+    verify: bool = True,
+) -> OptimizedModule:
+    """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
+
+    Args:
+        model: the ``nn.Module`` to optimize.
+        example_inputs: a tensor or a tuple of forward()'s positional arguments, with the
+            shapes, dtypes and device the model will run on.
+        mode: ``"inference"``, ``"training"``, or None: inference when ``model`` is in
+            eval mode, training otherwise. The copy is put in that mode.
+        passes: pass names to run, in order, instead of the mode's preset.
+        disable: pass names to leave out.
+        frontend: ``"fx"`` (symbolic_trace), ``"export"`` (torch.export) or ``"auto"``
+            (fx, then export).
+        dynamic_batch: let the captured graph accept other batch sizes (export frontend).
+        verify: compare outputs with the original after every pass (dtype-aware
+            tolerance); a mismatch raises `VerificationError`.
+
+    Returns:
+        An `OptimizedModule` with ``.graphopt_report``.
+    """
+    check_model(model)
+    resolved_mode = _resolve_mode(mode, model)
+    infos = resolve_passes(resolved_mode, passes, disable)
+    if frontend not in FRONTENDS:
+        raise InvalidOptionError(f"unknown frontend {frontend!r}: use one of {', '.join(map(repr, FRONTENDS))}")
+    args = check_inputs(model, example_inputs)
+    try:
+        owned = copy.deepcopy(model)
+    except Exception as error:
+        raise InvalidModelError(
+            f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
+            "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
+        ) from error
+    owned.train(resolved_mode == "training")
+    expected = reference_outputs(owned, args)
+    captured = capture_graph(owned, args, expected, frontend, dynamic_batch)
+    gm = captured.graph_module
+    report = Report(
+        mode=resolved_mode,
+        frontend=captured.frontend,
+        capture_attempts=captured.attempts,
+        notes=captured.notes,
+        verified=verify,
+        tolerance=_output_tolerance(expected),
+        capture_seconds=captured.seconds,
+    )
+    context = PassContext(mode=resolved_mode, example_inputs=args)
+    report.passes = run_passes(gm, infos, context, expected if verify else None, captured.max_error)
+    return OptimizedModule(gm, report)
+
+
+def _output_tolerance(expected: Any) -> float | None:
+    tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(expected) if isinstance(leaf, torch.Tensor)]
+    tolerances = [tolerance_for(t.dtype) for t in tensors if t.is_floating_point()]
+    return min(tolerances) if tolerances else None

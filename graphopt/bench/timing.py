@@ -1,0 +1,31 @@
+"""Interleaved latency measurement.
+
+Variants run in rounds (A B C A B C ...) after a warm-up, so slow drift and other load
+on the machine affect all of them alike; each variant's latency is the median of its
+rounds. Only ratios between variants measured together mean anything.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def median_latencies(
+    variants: Mapping[str, Callable[[], Any]],
+    rounds: int = 20,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Median seconds per call of each zero-argument callable, measured interleaved."""
+    for run in variants.values():
+        for _ in range(warmup):
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            started = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(times) for name, times in samples.items()}

@@ -1,0 +1,172 @@
+"""The ``graphopt`` command line.
+
+    graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json]
+    graphopt demo [--model resnet]
+    graphopt passes
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graphopt.api import OptimizedModule, optimize
+from graphopt.bench import median_latencies
+from graphopt.capture import FRONTENDS
+from graphopt.errors import GraphoptError
+from graphopt.models import REFERENCE_MODELS, get_reference_model
+from graphopt.pipeline import list_passes
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+class UsageError(GraphoptError):
+    """A command-line argument graphopt cannot use."""
+
+
+def parse_input_spec(spec: str, generator: torch.Generator) -> torch.Tensor:
+    """``8x3x224x224`` or ``8x128:int64`` -> a random tensor (integers drawn from [0, 8))."""
+    shape_text, _, dtype_name = spec.partition(":")
+    dtype = _DTYPES.get(dtype_name or "float32")
+    try:
+        shape = [int(size) for size in shape_text.lower().split("x")]
+    except ValueError:
+        shape = []
+    if dtype is None or not shape or any(size <= 0 for size in shape):
+        raise UsageError(
+            f"--input {spec!r} is not SHAPE[:DTYPE]: write sizes joined by 'x', e.g. 8x3x224x224 or 8x128:int64 "
+            f"(dtypes: {', '.join(_DTYPES)})"
+        )
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(0, 8, shape, generator=generator, dtype=dtype)
+
+
+def load_factory(reference: str) -> nn.Module:
+    """Import ``MODULE:FACTORY`` and call the factory (or take the module instance) to get a model."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"{reference!r} is not MODULE:FACTORY, e.g. graphopt.models:resnet_small")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"cannot import {module_name!r} ({error}); is it on PYTHONPATH?") from error
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise UsageError(f"module {module_name!r} has no attribute {attribute!r}")
+    model = factory if isinstance(factory, nn.Module) else factory()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{reference} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _split_names(text: str | None) -> list[str] | None:
+    return None if text is None else [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _command_optimize(args: argparse.Namespace) -> int:
+    model = load_factory(args.target)
+    if args.mode == "inference":
+        model.eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    optimized = optimize(
+        model,
+        inputs,
+        mode=args.mode,
+        passes=_split_names(args.passes),
+        disable=_split_names(args.disable) or (),
+        frontend=args.frontend,
+        verify=not args.no_verify,
+    )
+    print(optimized.graphopt_report)
+    if args.report:
+        Path(args.report).write_text(optimized.graphopt_report.to_json() + "\n")
+        print(f"report written to {args.report}")
+    return 0
+
+
+def _time_ratio(model: nn.Module, optimized: OptimizedModule, inputs: tuple[Any, ...]) -> dict[str, float]:
+    def eager() -> Any:
+        with torch.no_grad():
+            return model(*inputs)
+
+    return median_latencies({"eager (no_grad)": eager, "graphopt": lambda: optimized(*inputs)})
+
+
+def _command_demo(args: argparse.Namespace) -> int:
+    reference = get_reference_model(args.model)
+    model = reference.build().eval()
+    inputs = reference.example_inputs(batch_size=args.batch)
+    print(f"graphopt demo: {reference.name} ({reference.description}), input {list(inputs[0].shape)}")
+    optimized = optimize(model, inputs)
+    print(optimized.graphopt_report)
+    latencies = _time_ratio(model, optimized, inputs)
+    eager = latencies["eager (no_grad)"]
+    print(f"\nlatency, median of interleaved rounds on {torch.get_num_threads()} threads:")
+    for name, seconds in latencies.items():
+        print(f"  {name:<16} {seconds * 1e3:8.2f} ms   {eager / seconds:5.2f}x vs eager")
+    print("(a ratio, not a benchmark: run on a quiet machine; see `graphopt bench` when available)")
+    return 0
+
+
+def _command_passes(args: argparse.Namespace) -> int:
+    infos = list_passes()
+    width = max(len(info.name) for info in infos)
+    for info in infos:
+        print(f"{info.name:<{width}}  [{', '.join(info.modes)}]  {info.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphopt", description="Make PyTorch models faster by rewriting their graphs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("optimize", help="optimize a model built by MODULE:FACTORY and print the report")
+    run.add_argument("target", metavar="MODULE:FACTORY", help="e.g. graphopt.models:resnet_small")
+    run.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]", help="one per forward() argument, e.g. 8x3x224x224")
+    run.add_argument("--mode", choices=("inference", "training"), default="inference", help="default: inference (the model is put in eval mode)")
+    run.add_argument("--frontend", choices=FRONTENDS, default="auto")
+    run.add_argument("--passes", metavar="A,B", help="run exactly these passes, in order")
+    run.add_argument("--disable", metavar="A,B", help="leave these passes out")
+    run.add_argument("--no-verify", action="store_true", help="skip the numeric check after each pass")
+    run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
+    run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
+    run.set_defaults(handler=_command_optimize)
+
+    demo = commands.add_parser("demo", help="optimize a built-in model and compare its latency with eager")
+    demo.add_argument("--model", choices=sorted(REFERENCE_MODELS), default="resnet")
+    demo.add_argument("--batch", type=int, default=None, help="batch size (default: the model's example batch)")
+    demo.set_defaults(handler=_command_demo)
+
+    passes = commands.add_parser("passes", help="list the available passes")
+    passes.set_defaults(handler=_command_passes)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except GraphoptError as error:
+        print(f"graphopt: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

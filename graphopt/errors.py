@@ -1,0 +1,53 @@
+"""Errors raised by graphopt.
+
+Every error a user can provoke is a `GraphoptError` subclass whose message says what
+was wrong and what to do about it. Subclasses also derive from the matching builtin
+(`TypeError`, `ValueError`) so that generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class GraphoptError(Exception):
+    """Base class of every error graphopt raises on purpose."""
+
+
+class InvalidModelError(GraphoptError, TypeError):
+    """The object to optimize is not a usable `torch.nn.Module`."""
+
+
+class InvalidInputsError(GraphoptError, ValueError):
+    """The example inputs are of the wrong kind, or the model rejects them."""
+
+
+class InvalidOptionError(GraphoptError, ValueError):
+    """An option has a value graphopt does not know (frontend, mode, ...)."""
+
+
+class UnknownPassError(InvalidOptionError):
+    """A pass name given in `passes=` or `disable=` is not registered."""
+
+
+class PassModeError(InvalidOptionError):
+    """A pass was asked for in a mode it does not apply to (e.g. folding for training)."""
+
+
+class CaptureError(GraphoptError):
+    """No frontend could turn the model into a graph that matches eager execution."""
+
+    def __init__(self, message: str, attempts: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.attempts = dict(attempts or {})
+
+
+class VerificationError(GraphoptError):
+    """A pass changed the model's outputs beyond the tolerance for their dtype."""
+
+    def __init__(self, message: str, *, pass_name: str | None = None, max_error: float | None = None) -> None:
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.max_error = max_error
+
+
+class ModeSwitchError(GraphoptError, RuntimeError):
+    """An optimized module was switched to a mode its rewrites do not support."""

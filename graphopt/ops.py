@@ -1,0 +1,518 @@
+"""Op views: recognise an op family in every graph form and give uniform access to it.
+
+A captured graph spells the same operation three ways:
+
+- ``call_module``: ``self.conv(x)`` with an ``nn.Conv2d`` (symbolic_trace of module code);
+- ``call_function``: ``F.conv2d(x, self.weight, ...)`` (symbolic_trace of functional code);
+- ATen: ``torch.ops.aten.conv2d.default(x, w, ...)`` (torch.export).
+
+Each ``*_view(gm, node)`` function returns a small view object when ``node`` belongs to
+the family, else ``None``. Views expose the operands, attributes and parameters, and
+write parameters back, so a pass is written once for all three forms. Passes never
+compare targets themselves: a new spelling of an op is added here, once.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+aten = torch.ops.aten
+
+Form = Literal["module", "function", "aten"]
+
+
+# --------------------------------------------------------------------------- attributes
+
+
+def get_attr(root: nn.Module, target: str) -> Any:
+    """The object at dotted path ``target`` under ``root`` (a parameter, buffer or module)."""
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def set_attr(root: nn.Module, target: str, value: Any) -> None:
+    """Store ``value`` at dotted path ``target``, keeping its registration kind (parameter/buffer)."""
+    owner_path, _, name = target.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    if name in owner._buffers and not isinstance(value, nn.Parameter):
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def delete_attr(root: nn.Module, target: str) -> None:
+    """Remove the parameter or buffer at dotted path ``target``."""
+    owner_path, _, name = target.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    delattr(owner, name)
+
+
+def add_tensor(gm: fx.GraphModule, near: str, base_name: str, value: torch.Tensor, like: torch.Tensor) -> str:
+    """Register ``value`` on the module owning ``near`` under a free name, in the role of ``like``.
+
+    A parameter ``like`` makes a parameter (requiring grad as ``like`` does), otherwise a
+    buffer. Returns the new attribute's dotted path.
+    """
+    owner_path, _, _ = near.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    name, suffix = base_name, 0
+    while hasattr(owner, name):
+        suffix += 1
+        name = f"{base_name}_{suffix}"
+    if isinstance(like, nn.Parameter):
+        owner.register_parameter(name, nn.Parameter(value, requires_grad=like.requires_grad))
+    else:
+        owner.register_buffer(name, value)
+    return f"{owner_path}.{name}" if owner_path else name
+
+
+def replace_tensor(root: nn.Module, target: str, value: torch.Tensor) -> torch.Tensor:
+    """Store ``value`` at ``target`` in the same role as the tensor it replaces; return what is stored.
+
+    A parameter stays a parameter (requiring grad as before), a buffer stays a buffer.
+    """
+    current = get_attr(root, target)
+    if isinstance(current, nn.Parameter):
+        stored: torch.Tensor = nn.Parameter(value.detach().clone(), requires_grad=current.requires_grad)
+    else:
+        stored = value.detach().clone()
+    set_attr(root, target, stored)
+    return stored
+
+
+def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """The submodule a ``call_module`` node calls, else ``None``."""
+    if node.op != "call_module":
+        return None
+    return gm.get_submodule(str(node.target))
+
+
+def tensor_meta(node: fx.Node) -> tuple[torch.Size, torch.dtype] | None:
+    """Shape and dtype of a node's output, from export's ``val`` or ShapeProp's ``tensor_meta``."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.shape, val.dtype
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return meta.shape, meta.dtype
+    return None
+
+
+class Arguments:
+    """Read and write a call's arguments by name, whether passed positionally or by keyword."""
+
+    def __init__(self, node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> None:
+        self.node = node
+        self.names = names
+        self.defaults = defaults
+
+    def get(self, name: str) -> Any:
+        index = self.names.index(name)
+        if index < len(self.node.args):
+            return self.node.args[index]
+        return self.node.kwargs.get(name, self.defaults.get(name))
+
+    def set(self, name: str, value: Any) -> None:
+        index = self.names.index(name)
+        if index < len(self.node.args):
+            args = list(self.node.args)
+            args[index] = value
+            self.node.args = tuple(args)
+        else:
+            self.node.kwargs = {**self.node.kwargs, name: value}
+
+
+@dataclass(frozen=True)
+class _Signature:
+    names: tuple[str, ...]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def _resolve(gm: fx.GraphModule, arg: Any) -> tuple[torch.Tensor | None, str | None]:
+    """A tensor argument's value and attribute path when it is a constant (get_attr), else (None, None)."""
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        value = get_attr(gm, str(arg.target))
+        if isinstance(value, torch.Tensor):
+            return value, str(arg.target)
+    return None, None
+
+
+# --------------------------------------------------------------------------- conv / linear
+
+_CONV_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T_NAMES = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_CONVOLUTION_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+_LINEAR_NAMES = ("input", "weight", "bias")
+
+# function -> (spatial dims, transposed, signature); spatial dims 0 means linear.
+_WEIGHTED_FUNCTIONS: dict[Any, tuple[int, bool | None, _Signature]] = {
+    F.conv1d: (1, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    F.conv2d: (2, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    F.conv3d: (3, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    F.conv_transpose1d: (1, True, _Signature(_CONV_T_NAMES, {"bias": None, "groups": 1})),
+    F.conv_transpose2d: (2, True, _Signature(_CONV_T_NAMES, {"bias": None, "groups": 1})),
+    F.conv_transpose3d: (3, True, _Signature(_CONV_T_NAMES, {"bias": None, "groups": 1})),
+    F.linear: (0, False, _Signature(_LINEAR_NAMES, {"bias": None})),
+}
+_WEIGHTED_ATEN: dict[Any, tuple[int, bool | None, _Signature]] = {
+    aten.conv1d.default: (1, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    aten.conv2d.default: (2, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    aten.conv3d.default: (3, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    aten.conv1d.padding: (1, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    aten.conv2d.padding: (2, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    aten.conv3d.padding: (3, False, _Signature(_CONV_NAMES, {"bias": None, "groups": 1})),
+    aten.conv_transpose1d.default: (1, True, _Signature(_CONV_T_NAMES, {"bias": None, "groups": 1})),
+    aten.conv_transpose2d.input: (2, True, _Signature(_CONV_T_NAMES, {"bias": None, "groups": 1})),
+    aten.conv_transpose3d.input: (3, True, _Signature(_CONV_T_NAMES, {"bias": None, "groups": 1})),
+    # spatial dims and transposition of the generic form are read from its arguments
+    aten.convolution.default: (-1, None, _Signature(_CONVOLUTION_NAMES)),
+    aten.linear.default: (0, False, _Signature(_LINEAR_NAMES, {"bias": None})),
+}
+_CONV_MODULES: dict[type[nn.Module], tuple[int, bool]] = {
+    nn.Conv1d: (1, False),
+    nn.Conv2d: (2, False),
+    nn.Conv3d: (3, False),
+    nn.ConvTranspose1d: (1, True),
+    nn.ConvTranspose2d: (2, True),
+    nn.ConvTranspose3d: (3, True),
+    nn.Linear: (0, False),
+}
+
+
+@dataclass
+class WeightedOpView:
+    """A convolution (any rank, plain or transposed) or a linear layer."""
+
+    node: fx.Node
+    form: Form
+    spatial_dims: int  # 0 for linear
+    transposed: bool
+    groups: int
+    weight: torch.Tensor | None  # None when the weight is computed in the graph
+    bias: torch.Tensor | None
+    weight_target: str | None  # attribute path of the weight, when it is a stored tensor
+    bias_target: str | None
+    module: nn.Module | None = None
+    arguments: Arguments | None = None
+    unsupported: str | None = None  # why a rewrite of this op cannot be trusted
+
+    @property
+    def kind(self) -> str:
+        if self.spatial_dims == 0:
+            return "linear"
+        return f"conv_transpose{self.spatial_dims}d" if self.transposed else f"conv{self.spatial_dims}d"
+
+    @property
+    def input(self) -> fx.Node:
+        return self.node.args[0]  # type: ignore[return-value]
+
+    def set_weight(self, gm: fx.GraphModule, weight: torch.Tensor) -> None:
+        assert self.weight_target is not None
+        self.weight = replace_tensor(gm, self.weight_target, weight)
+
+    def set_bias(self, gm: fx.GraphModule, bias: torch.Tensor) -> None:
+        """Store a new bias; when there was none, create it (and its graph input) in the weight's role."""
+        assert self.weight_target is not None and self.weight is not None
+        if self.bias_target is not None:
+            self.bias = replace_tensor(gm, self.bias_target, bias)
+            return
+        if self.module is not None:
+            self.module.bias = nn.Parameter(bias.detach().clone(), requires_grad=self.weight.requires_grad)
+            self.bias_target = f"{self.node.target}.bias"
+        else:
+            assert self.arguments is not None
+            self.bias_target = add_tensor(gm, self.weight_target, "bias", bias.detach().clone(), self.weight)
+            with gm.graph.inserting_before(self.node):
+                self.arguments.set("bias", gm.graph.get_attr(self.bias_target))
+        self.bias = get_attr(gm, self.bias_target)
+
+    def remove_bias(self, gm: fx.GraphModule) -> None:
+        """Drop the bias: the op computes without it and the parameter leaves the module."""
+        if self.module is not None:
+            self.module.bias = None
+        else:
+            assert self.arguments is not None and self.bias_target is not None
+            self.arguments.set("bias", None)
+            for node in list(gm.graph.nodes):
+                if node.op == "get_attr" and node.target == self.bias_target and not node.users:
+                    gm.graph.erase_node(node)
+            delete_attr(gm, self.bias_target)
+        self.bias, self.bias_target = None, None
+
+
+def weighted_op_view(gm: fx.GraphModule, node: fx.Node) -> WeightedOpView | None:
+    """View of a conv/conv-transpose/linear node in any form, else ``None``."""
+    if node.op == "call_module":
+        module = called_module(gm, node)
+        base = next((cls for cls in _CONV_MODULES if isinstance(module, cls)), None)
+        if base is None:
+            return None
+        assert module is not None
+        spatial_dims, transposed = _CONV_MODULES[base]
+        unsupported = None
+        if parametrize.is_parametrized(module):
+            unsupported = f"{type(module).__name__} '{node.target}' is parametrized"
+        elif type(module).forward is not base.forward:
+            unsupported = f"{type(module).__name__} '{node.target}' overrides forward()"
+        elif getattr(module, "padding_mode", "zeros") != "zeros":
+            unsupported = f"{type(module).__name__} '{node.target}' uses padding_mode={module.padding_mode!r}"
+        return WeightedOpView(
+            node=node,
+            form="module",
+            spatial_dims=spatial_dims,
+            transposed=transposed,
+            groups=getattr(module, "groups", 1),
+            weight=module.weight,
+            bias=module.bias,
+            weight_target=f"{node.target}.weight",
+            bias_target=f"{node.target}.bias" if module.bias is not None else None,
+            module=module,
+            unsupported=unsupported,
+        )
+    if node.op != "call_function":
+        return None
+    if node.target in _WEIGHTED_FUNCTIONS:
+        form: Form = "function"
+        spatial_dims, transposed, signature = _WEIGHTED_FUNCTIONS[node.target]
+    elif node.target in _WEIGHTED_ATEN:
+        form = "aten"
+        spatial_dims, transposed, signature = _WEIGHTED_ATEN[node.target]
+    else:
+        return None
+    arguments = Arguments(node, signature.names, signature.defaults)
+    weight, weight_target = _resolve(gm, arguments.get("weight"))
+    bias, bias_target = _resolve(gm, arguments.get("bias"))
+    if transposed is None:  # aten.convolution: read rank and kind from the arguments
+        transposed = bool(arguments.get("transposed"))
+        spatial_dims = len(arguments.get("stride"))
+    unsupported = None
+    if weight is None:
+        unsupported = f"the weight of '{node.name}' is computed in the graph, not a stored parameter"
+    elif arguments.get("bias") is not None and bias is None:
+        unsupported = f"the bias of '{node.name}' is computed in the graph, not a stored parameter"
+    return WeightedOpView(
+        node=node,
+        form=form,
+        spatial_dims=spatial_dims,
+        transposed=transposed,
+        groups=int(arguments.get("groups") or 1) if spatial_dims else 1,
+        weight=weight,
+        bias=bias,
+        weight_target=weight_target,
+        bias_target=bias_target,
+        arguments=arguments,
+        unsupported=unsupported,
+    )
+
+
+# --------------------------------------------------------------------------- batch norm
+
+_F_BATCH_NORM = _Signature(
+    ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+)
+_ATEN_BATCH_NORM = _Signature(
+    ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps", "cudnn_enabled"),
+)
+_ATEN_BN_NO_TRAINING = _Signature(("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps"))
+_ATEN_BN_LEGIT = _Signature(("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"))
+
+# target -> (form, signature, returns a tuple whose item 0 is the result)
+_BATCH_NORM_FUNCTIONS: dict[Any, tuple[Form, _Signature, bool]] = {
+    F.batch_norm: ("function", _F_BATCH_NORM, False),
+    torch.batch_norm: ("function", _ATEN_BATCH_NORM, False),
+    aten.batch_norm.default: ("aten", _ATEN_BATCH_NORM, False),
+    aten._native_batch_norm_legit_no_training.default: ("aten", _ATEN_BN_NO_TRAINING, True),
+    aten._native_batch_norm_legit.default: ("aten", _ATEN_BN_LEGIT, True),
+}
+
+
+@dataclass
+class BatchNormView:
+    """A batch normalisation in any form, with its statistics and affine parameters."""
+
+    node: fx.Node
+    form: Form
+    input: fx.Node
+    output: fx.Node | None  # node holding the normalised tensor; None if other results are used too
+    training: bool  # normalises with batch statistics (and updates running ones)
+    eps: float
+    num_features: int | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    running_mean_target: str | None
+    module: nn.Module | None = None
+    unsupported: str | None = None
+
+    @property
+    def uses_running_stats(self) -> bool:
+        return self.running_mean is not None and self.running_var is not None
+
+
+def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
+    """View of a BatchNorm node (nn.BatchNormNd, F.batch_norm, ATen forms), else ``None``."""
+    if node.op == "call_module":
+        module = called_module(gm, node)
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return None
+        unsupported = None
+        if type(module).forward not in (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward):
+            unsupported = f"{type(module).__name__} '{node.target}' overrides forward()"
+        # Without running stats a BatchNorm normalises with batch statistics even in eval mode.
+        training = module.training or not module.track_running_stats
+        return BatchNormView(
+            node=node,
+            form="module",
+            input=node.args[0],  # type: ignore[arg-type]
+            output=node,
+            training=training,
+            eps=module.eps,
+            num_features=module.num_features,
+            weight=module.weight,
+            bias=module.bias,
+            running_mean=module.running_mean,
+            running_var=module.running_var,
+            running_mean_target=f"{node.target}.running_mean" if module.running_mean is not None else None,
+            module=module,
+            unsupported=unsupported,
+        )
+    if node.op != "call_function" or node.target not in _BATCH_NORM_FUNCTIONS:
+        return None
+    form, signature, returns_tuple = _BATCH_NORM_FUNCTIONS[node.target]
+    arguments = Arguments(node, signature.names, signature.defaults)
+    weight, _ = _resolve(gm, arguments.get("weight"))
+    bias, _ = _resolve(gm, arguments.get("bias"))
+    running_mean, running_mean_target = _resolve(gm, arguments.get("running_mean"))
+    running_var, _ = _resolve(gm, arguments.get("running_var"))
+    unsupported = None
+    for name, value in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
+        if arguments.get(name) is not None and value is None:
+            unsupported = f"the {name} of '{node.name}' is computed in the graph, not a stored tensor"
+    output: fx.Node | None = node
+    if returns_tuple:
+        users = list(node.users)
+        is_first_item = [u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users]
+        output = users[0] if len(users) == 1 and is_first_item[0] else None
+    training = bool(arguments.get("training")) if "training" in signature.names else False
+    if running_mean is None and arguments.get("running_mean") is None:
+        training = True  # no running statistics: batch statistics are always used
+    return BatchNormView(
+        node=node,
+        form=form,
+        input=node.args[0],  # type: ignore[arg-type]
+        output=output,
+        training=training,
+        eps=float(arguments.get("eps")),
+        num_features=running_mean.numel() if running_mean is not None else None,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+        running_mean_target=running_mean_target,
+        unsupported=unsupported,
+    )
+
+
+# --------------------------------------------------------------------------- dropout / identity
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_DROPOUT_NAMES = _Signature(("input", "p", "training", "inplace"), {"p": 0.5, "training": True, "inplace": False})
+_ATEN_DROPOUT_NAMES = _Signature(("input", "p", "train"))
+# target -> signature; F.* default to training=True, which is why the argument is read, not assumed
+_DROPOUT_FUNCTIONS: dict[Any, tuple[Form, _Signature]] = {
+    F.dropout: ("function", _DROPOUT_NAMES),
+    F.dropout1d: ("function", _DROPOUT_NAMES),
+    F.dropout2d: ("function", _DROPOUT_NAMES),
+    F.dropout3d: ("function", _DROPOUT_NAMES),
+    F.alpha_dropout: ("function", _DROPOUT_NAMES),
+    F.feature_alpha_dropout: ("function", _DROPOUT_NAMES),
+    torch.dropout: ("function", _ATEN_DROPOUT_NAMES),
+    torch.alpha_dropout: ("function", _ATEN_DROPOUT_NAMES),
+    torch.feature_alpha_dropout: ("function", _ATEN_DROPOUT_NAMES),
+    torch.feature_dropout: ("function", _ATEN_DROPOUT_NAMES),
+    aten.dropout.default: ("aten", _ATEN_DROPOUT_NAMES),
+    aten.dropout_.default: ("aten", _ATEN_DROPOUT_NAMES),
+    aten.alpha_dropout.default: ("aten", _ATEN_DROPOUT_NAMES),
+    aten.feature_dropout.default: ("aten", _ATEN_DROPOUT_NAMES),
+    aten.feature_alpha_dropout.default: ("aten", _ATEN_DROPOUT_NAMES),
+}
+
+
+@dataclass
+class DropoutView:
+    """A dropout (any flavour) or an identity: passes its input through when inactive."""
+
+    node: fx.Node
+    form: Form
+    input: Any
+    active: bool  # randomly drops values when executed
+    kind: str
+
+
+def dropout_view(gm: fx.GraphModule, node: fx.Node) -> DropoutView | None:
+    """View of a dropout or identity node in any form, else ``None``."""
+    if node.op == "call_module":
+        module = called_module(gm, node)
+        if type(module) is nn.Identity:
+            return DropoutView(node, "module", node.args[0] if node.args else None, False, "identity")
+        if not isinstance(module, _DROPOUT_MODULES):
+            return None
+        active = module.training and module.p > 0
+        return DropoutView(node, "module", node.args[0], active, type(module).__name__)
+    if node.op != "call_function" or node.target not in _DROPOUT_FUNCTIONS:
+        return None
+    form, signature = _DROPOUT_FUNCTIONS[node.target]
+    arguments = Arguments(node, signature.names, signature.defaults)
+    training = arguments.get("training") if "training" in signature.names else arguments.get("train")
+    active = bool(training) and float(arguments.get("p")) > 0
+    return DropoutView(node, form, node.args[0], active, getattr(node.target, "__name__", str(node.target)))
+
+
+# --------------------------------------------------------------------------- parameter sharing
+
+
+class ParameterUsage:
+    """Who reads each stored tensor: tied parameters and reused modules block in-place rewrites."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self._names: dict[int, list[str]] = {}
+        for name, tensor in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+            self._names.setdefault(id(tensor), []).append(name)
+        self._reads: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            # a stored tensor is read once per user of its get_attr nodes; a module once per call
+            reads = len(node.users) if node.op == "get_attr" else 1 if node.op == "call_module" else 0
+            if reads:
+                self._reads[str(node.target)] = self._reads.get(str(node.target), 0) + reads
+
+    def sharing(self, view: WeightedOpView) -> str | None:
+        """Why ``view``'s parameters cannot be rewritten in place without affecting another op, or None."""
+        if view.module is not None:
+            calls = self._reads.get(str(view.node.target), 0)
+            if calls > 1:
+                return f"module '{view.node.target}' is called at {calls} places"
+        for label, tensor, target in (("weight", view.weight, view.weight_target), ("bias", view.bias, view.bias_target)):
+            if tensor is None or target is None:
+                continue
+            names = self._names.get(id(tensor), [])
+            if len(names) > 1:
+                others = ", ".join(n for n in names if n != target)
+                return f"{label} '{target}' is tied to {others}"
+            if view.module is None and self._reads.get(target, 0) > 1:
+                return f"{label} '{target}' is also read by another op"
+        return None
+
+    def is_shared(self, tensor: torch.Tensor) -> bool:
+        return len(self._names.get(id(tensor), [])) > 1

@@ -1,0 +1,38 @@
+"""The pass registry: every pass graphopt can run, with its stable name and the modes it serves.
+
+Each pass lives in its own module of this package (named like the pass) and follows
+the contract in `graphopt.passes.base`. ``exact`` passes change numerics only by
+floating-point rounding and run by default; the others are opt-in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphopt.passes.base import MODES, Mode, PassContext, PassFunction, PassResult
+from graphopt.passes.drop_conv_bias import drop_conv_bias
+from graphopt.passes.fold_conv_bn import fold_conv_bn
+from graphopt.passes.remove_dropout import remove_dropout
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    """A registered pass."""
+
+    name: str
+    function: PassFunction
+    modes: tuple[Mode, ...]
+    description: str
+    exact: bool = True
+
+
+REGISTRY: dict[str, PassInfo] = {
+    info.name: info
+    for info in (
+        PassInfo("remove_dropout", remove_dropout, ("inference",), "remove dropout and identity ops that do nothing at inference"),
+        PassInfo("fold_conv_bn", fold_conv_bn, ("inference",), "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear"),
+        PassInfo("drop_conv_bias", drop_conv_bias, ("training", "inference"), "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)"),
+    )
+}
+
+__all__ = ["MODES", "REGISTRY", "Mode", "PassContext", "PassInfo", "PassResult"]

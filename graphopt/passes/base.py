@@ -1,0 +1,59 @@
+"""The pass contract: what a pass receives, what it returns, and how it ends.
+
+A pass is a plain function ``(gm, ctx) -> PassResult``. It rewrites ``gm`` in place
+(the pipeline owns a deep copy of the user's model), records every rewrite and every
+rejected candidate with its reason in a `PassReport`, and calls `finish` once.
+``PassResult`` keeps torch.fx.passes.infra's first two fields (graph_module, modified).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from collections.abc import Iterable
+from typing import Any, Callable, Literal, NamedTuple
+
+import torch.fx as fx
+
+from graphopt.ops import delete_attr
+from graphopt.report import PassReport
+
+Mode = Literal["inference", "training"]
+MODES: tuple[Mode, ...] = ("inference", "training")
+
+
+@dataclass
+class PassContext:
+    """What a pass may know beyond the graph."""
+
+    mode: Mode = "inference"
+    example_inputs: tuple[Any, ...] = field(default_factory=tuple)
+
+
+class PassResult(NamedTuple):
+    graph_module: fx.GraphModule
+    modified: bool
+    report: PassReport
+
+
+PassFunction = Callable[[fx.GraphModule, PassContext], PassResult]
+
+
+def finish(gm: fx.GraphModule, modified: bool, report: PassReport, dropped_attrs: Iterable[str] = ()) -> PassResult:
+    """The one cleanup at the end of a pass: dead code, unused submodules and attributes, lint, recompile.
+
+    ``dropped_attrs`` names stored tensors the pass stopped reading (e.g. a folded
+    BatchNorm's statistics); each is deleted unless some node still reads it.
+    """
+    if modified:
+        # call_module nodes stay: a module may act through side effects (export's guard checks do).
+        gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.op == "call_module" or node.is_impure())
+        still_read = {str(node.target) for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}
+        for target in dropped_attrs:
+            owners = {target.rsplit(".", i)[0] for i in range(target.count(".") + 1)}
+            if owners.isdisjoint(still_read):
+                delete_attr(gm, target)
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+    report.modified = modified
+    return PassResult(gm, modified, report)

@@ -1,0 +1,48 @@
+"""drop_conv_bias: remove the bias of a conv or linear layer that feeds a BatchNorm.
+
+Pattern: ``ConvNd | ConvTransposeNd | Linear (bias) -> BatchNorm``, any graph form.
+
+In training mode BatchNorm subtracts the batch mean, so a per-channel constant added
+before it cancels exactly: the bias only costs memory, compute and an optimizer state
+(playbook: disable bias for convolutions directly followed by a batch norm). In eval
+mode BatchNorm subtracts ``running_mean`` instead, so the pass also sets
+``running_mean -= bias``. That identity survives training: a momentum update
+``(1-m)(rm - b) + m(mean - b)`` and the cumulative average both keep the offset, so the
+model stays exact in train and eval mode, before and after optimizer steps.
+Gradients of the remaining parameters are unchanged; the parameter count drops.
+
+Preconditions (recorded skip reasons): the conv's only use is the BatchNorm, its
+parameters are not shared, the statistics are stored float tensors not shared with
+another BatchNorm, channel counts agree, a Linear feeds a 2-D BatchNorm1d input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt.ops import ParameterUsage
+from graphopt.passes.base import PassContext, PassResult, finish
+from graphopt.passes.conv_bn_pairs import conv_bn_pairs
+from graphopt.report import PassReport, describe
+
+
+def drop_conv_bias(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Drop the bias of a conv/linear layer feeding a BatchNorm, keeping eval mode exact."""
+    report = PassReport("drop_conv_bias")
+    usage = ParameterUsage(gm)
+    for node, bn, producer, reason in conv_bn_pairs(gm, usage):
+        if producer is None or producer.bias_target is None:
+            continue  # no bias to drop: nothing to report
+        if reason is None and bn.running_mean is not None and usage.is_shared(bn.running_mean):
+            reason = "running_mean is shared with another BatchNorm"
+        if reason is not None:
+            report.skip(node, reason)
+            continue
+        assert producer.bias is not None
+        if bn.running_mean is not None:
+            with torch.no_grad():
+                bn.running_mean.sub_(producer.bias.detach().to(bn.running_mean.dtype))
+        producer.remove_bias(gm)
+        report.rewrite(producer.node, f"dropped the bias before {describe(node)}")
+    return finish(gm, bool(report.rewrites), report)

@@ -1,0 +1,114 @@
+"""The pipeline: ordered passes per mode, each followed by a lint and a numeric check.
+
+Presets are explicit ordered lists. After every pass the pipeline lints the graph,
+records which nodes the pass created and erased, and (``verify=True``) runs the graph
+on the example inputs and compares with the original model's outputs; a mismatch
+raises `VerificationError` naming the pass, the error, the output and the rewrites.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from graphopt import verify
+from graphopt.errors import GraphoptError, PassModeError, UnknownPassError, VerificationError
+from graphopt.passes import REGISTRY, Mode, PassContext, PassInfo, PassResult
+from graphopt.report import NodeChange, PassReport
+
+PRESETS: dict[Mode, tuple[str, ...]] = {
+    # dropout first so BatchNorms behind a removed identity are seen by the folding pass
+    "inference": ("remove_dropout", "fold_conv_bn"),
+    "training": ("drop_conv_bias",),
+}
+
+__all__ = ["PRESETS", "PassContext", "PassResult", "list_passes", "resolve_passes", "run_passes"]
+
+
+def list_passes() -> list[PassInfo]:
+    """Every registered pass, in preset order, with its modes and one-line description."""
+    return list(REGISTRY.values())
+
+
+def _lookup(name: Any, option: str) -> PassInfo:
+    if not isinstance(name, str) or name not in REGISTRY:
+        close = difflib.get_close_matches(str(name), REGISTRY, n=1)
+        suggestion = f" Did you mean {close[0]!r}?" if close else ""
+        raise UnknownPassError(
+            f"unknown pass {name!r} in {option}=.{suggestion} Known passes: {', '.join(REGISTRY)} "
+            "(see graphopt.list_passes())"
+        )
+    return REGISTRY[name]
+
+
+def resolve_passes(mode: Mode, passes: Sequence[str] | None, disable: Iterable[str]) -> list[PassInfo]:
+    """The passes to run: ``passes`` (in that order) or the mode's preset, minus ``disable``."""
+    if isinstance(passes, str) or isinstance(disable, str):
+        raise UnknownPassError("passes= and disable= take a list of pass names, e.g. passes=['fold_conv_bn']")
+    disabled = {_lookup(name, "disable").name for name in disable}
+    if passes is None:
+        return [REGISTRY[name] for name in PRESETS[mode] if name not in disabled]
+    chosen = [_lookup(name, "passes") for name in passes]
+    for info in chosen:
+        if mode not in info.modes:
+            raise PassModeError(
+                f"pass {info.name!r} applies to {' and '.join(info.modes)} mode, not {mode}: "
+                f"{info.description}. Remove it from passes= or call optimize(..., mode={info.modes[0]!r})"
+            )
+    return [info for info in chosen if info.name not in disabled]
+
+
+def _node_changes(nodes: Iterable[fx.Node]) -> list[NodeChange]:
+    return [NodeChange.of(node) for node in nodes]
+
+
+def run_passes(
+    gm: fx.GraphModule,
+    infos: Sequence[PassInfo],
+    ctx: PassContext,
+    expected: Any | None,
+    capture_error: float = 0.0,
+) -> list[PassReport]:
+    """Run ``infos`` in order on ``gm`` (in place); verify against ``expected`` unless it is None.
+
+    ``capture_error`` is the captured graph's error, carried by passes that change nothing.
+    """
+    reports = []
+    error = capture_error
+    for info in infos:
+        before = list(gm.graph.nodes)
+        before_changes = {node: NodeChange.of(node) for node in before}
+        started = time.perf_counter()
+        result = info.function(gm, ctx)
+        seconds = time.perf_counter() - started
+        gm = result.graph_module
+        try:
+            gm.graph.lint()
+        except Exception as error:  # a malformed graph is a graphopt bug: say which pass made it
+            raise GraphoptError(f"pass {info.name!r} produced an invalid graph ({error}); please report this") from error
+        report = result.report
+        report.seconds = seconds
+        after = set(gm.graph.nodes)
+        report.created = _node_changes(node for node in gm.graph.nodes if node not in before_changes)
+        report.erased = [before_changes[node] for node in before if node not in after]
+        if expected is not None and result.modified:
+            comparison = verify.compare(expected, verify.run_isolated(gm, ctx.example_inputs))
+            report.max_error = error = comparison.max_error
+            if not comparison.ok:
+                rewrites = "; ".join(f"{r.where}: {r.detail}" for r in report.rewrites[:10]) or "none recorded"
+                raise VerificationError(
+                    f"pass {info.name!r} changed {comparison.where} by {comparison.max_error:.3e} relative to the "
+                    f"output's scale (tolerance {comparison.tolerance:.0e}; {comparison.detail}). Its rewrites: "
+                    f"{rewrites}. Your model is unchanged; run optimize(..., disable=[{info.name!r}]) to skip this "
+                    "pass, and please report the model.",
+                    pass_name=info.name,
+                    max_error=comparison.max_error,
+                )
+        elif expected is not None:
+            report.max_error = error
+        reports.append(report)
+    return reports

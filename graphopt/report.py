@@ -1,0 +1,169 @@
+"""What graphopt did to a model: per-pass rewrites, skips with reasons, node changes, errors.
+
+A `Report` is attached to every optimized module as ``.graphopt_report``. It renders as
+a text table (``str(report)``), JSON-ready data (``report.to_dict()``) and HTML in a
+notebook (``_repr_html_``). ``report.why("layer1.0.bn1")`` answers "why was my
+BatchNorm not folded?" from the skip reasons the passes recorded.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def describe(node: fx.Node) -> str:
+    """The name a user knows a node by: its module path when it has one, else the node name."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        # export's paths look like "L['self'].layer1[0].conv1" under strict mode; keep them readable
+        return f"{path}:{node.name}" if path else node.name
+    return node.name
+
+
+def target_name(target: Any) -> str:
+    """``aten.conv2d.default``, ``conv2d``, ``add`` or a module path: short, and unambiguous for ATen."""
+    if isinstance(target, (str, torch._ops.OpOverload)):
+        return str(target)
+    return getattr(target, "__name__", None) or str(target)
+
+
+@dataclass
+class NodeChange:
+    """One node a pass created or erased."""
+
+    name: str
+    op: str
+    target: str
+    where: str  # module path (or node name) the user recognises
+
+    @classmethod
+    def of(cls, node: fx.Node) -> NodeChange:
+        return cls(name=node.name, op=node.op, target=target_name(node.target), where=describe(node))
+
+
+@dataclass
+class Rewrite:
+    """One rewrite a pass made."""
+
+    where: str
+    detail: str
+
+
+@dataclass
+class Skip:
+    """One candidate a pass left alone, and why."""
+
+    where: str
+    reason: str
+
+
+@dataclass
+class PassReport:
+    """What one pass did. Passes fill rewrites and skips; the pipeline fills the rest."""
+
+    name: str
+    rewrites: list[Rewrite] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+    created: list[NodeChange] = field(default_factory=list)
+    erased: list[NodeChange] = field(default_factory=list)
+    modified: bool = False
+    max_error: float | None = None  # error vs the original model after this pass (None: not verified)
+    seconds: float = 0.0
+
+    def rewrite(self, node: fx.Node, detail: str) -> None:
+        self.rewrites.append(Rewrite(describe(node), detail))
+
+    def skip(self, node: fx.Node, reason: str) -> None:
+        self.skips.append(Skip(describe(node), reason))
+
+
+@dataclass
+class Report:
+    """What `graphopt.optimize` did to a model, pass by pass."""
+
+    mode: str
+    frontend: str
+    capture_attempts: dict[str, str] = field(default_factory=dict)  # frontend -> why it was not used
+    notes: list[str] = field(default_factory=list)
+    passes: list[PassReport] = field(default_factory=list)
+    verified: bool = True
+    tolerance: float | None = None
+    capture_seconds: float = 0.0
+
+    def __getitem__(self, pass_name: str) -> PassReport:
+        for report in self.passes:
+            if report.name == pass_name:
+                return report
+        raise KeyError(f"no pass named {pass_name!r} ran; ran: {', '.join(p.name for p in self.passes) or 'none'}")
+
+    @property
+    def total_rewrites(self) -> int:
+        return sum(len(p.rewrites) for p in self.passes)
+
+    @property
+    def max_error(self) -> float | None:
+        errors = [p.max_error for p in self.passes if p.max_error is not None]
+        return max(errors) if errors else None
+
+    def why(self, where: str) -> list[str]:
+        """Every recorded rewrite or skip that mentions ``where`` (a module path or node name)."""
+        found = []
+        for p in self.passes:
+            found += [f"{p.name}: rewrote {r.where}: {r.detail}" for r in p.rewrites if where in r.where or where in r.detail]
+            found += [f"{p.name}: skipped {s.where}: {s.reason}" for s in p.skips if where in s.where]
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _header(self) -> str:
+        parts = [f"mode: {self.mode}", f"frontend: {self.frontend}"]
+        failed = [f"{name} failed: {reason}" for name, reason in self.capture_attempts.items()]
+        if failed:
+            parts[-1] += f" ({'; '.join(failed)})"
+        parts.append(f"verify: {'on' if self.verified else 'off'}" + (f", tolerance {self.tolerance:.0e}" if self.verified and self.tolerance else ""))
+        return "graphopt report: " + ", ".join(parts)
+
+    def _rows(self) -> list[tuple[str, str, str, str, str, str]]:
+        rows = []
+        for p in self.passes:
+            error = "-" if p.max_error is None else f"{p.max_error:.1e}"
+            rows.append((p.name, str(len(p.rewrites)), str(len(p.skips)), f"-{len(p.erased)}/+{len(p.created)}", error, f"{p.seconds:.3f}s"))
+        return rows
+
+    def __str__(self) -> str:
+        header = ("pass", "rewrites", "skips", "nodes -/+", "max error", "time")
+        rows = self._rows()
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [self._header(), *self.notes, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        for p, row in zip(self.passes, rows):
+            lines.append(fmt.format(*row))
+            lines += [f"    skipped {s.where}: {s.reason}" for s in p.skips]
+        if not self.passes:
+            lines.append("(no passes ran)")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th>{h}</th>" for h in ("pass", "rewrites", "skips", "nodes -/+", "max error", "time"))
+        body = []
+        for p, row in zip(self.passes, self._rows()):
+            body.append("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>")
+            if p.skips:
+                items = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in p.skips)
+                body.append(f'<tr><td colspan="6"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')
+        notes = "".join(f"<p>{esc(n)}</p>" for n in self.notes)
+        return f"<div><p><b>{esc(self._header())}</b></p>{notes}<table><tr>{head}</tr>{''.join(body)}</table></div>"

@@ -1,0 +1,76 @@
+"""Checks on what the user hands in, before any capture: each failure says what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from graphopt import verify
+from graphopt.errors import InvalidInputsError, InvalidModelError
+
+
+def describe_inputs(args: tuple[Any, ...]) -> str:
+    """A short summary such as ``(Tensor[8, 3, 224, 224] float32 cpu, int)``."""
+
+    def one(leaf: Any) -> str:
+        if isinstance(leaf, torch.Tensor):
+            return f"Tensor{list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} {leaf.device}"
+        return type(leaf).__name__
+
+    return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
+
+
+def check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise InvalidModelError(
+            f"expected a torch.nn.Module to optimize, got {type(model).__name__}; "
+            "wrap a plain function in an nn.Module whose forward() calls it"
+        )
+
+
+def check_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
+    """Normalise ``example_inputs`` to a tuple of positional arguments and check devices."""
+    if isinstance(example_inputs, torch.Tensor):
+        args: tuple[Any, ...] = (example_inputs,)
+    elif isinstance(example_inputs, (tuple, list)):
+        args = tuple(example_inputs)
+    else:
+        raise InvalidInputsError(
+            f"example_inputs must be a tensor or a tuple of the positional arguments of forward(), "
+            f"got {type(example_inputs).__name__}; e.g. optimize(model, (torch.randn(8, 3, 224, 224),))"
+        )
+    if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(args)):
+        raise InvalidInputsError(
+            f"example_inputs {describe_inputs(args)} contain no tensor: pass example tensors with the shapes, "
+            "dtypes and device the model will see"
+        )
+    model_devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    input_devices = {leaf.device for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)}
+    if model_devices and not input_devices <= model_devices:
+        raise InvalidInputsError(
+            f"the model's parameters are on {', '.join(sorted(map(str, model_devices)))} but example inputs "
+            f"{describe_inputs(args)} are on {', '.join(sorted(map(str, input_devices)))}: move the inputs "
+            "(or the model, with .to(device)) so both are on the device you will run on"
+        )
+    return args
+
+
+def reference_outputs(model: nn.Module, args: tuple[Any, ...]) -> Any:
+    """Eager outputs of ``model`` on ``args``; a model that rejects the inputs raises `InvalidInputsError`."""
+    try:
+        return verify.run_isolated(model, args)
+    except Exception as error:
+        dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
+        input_dtypes = {leaf.dtype for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+        hint = ""
+        if dtypes and input_dtypes and not input_dtypes <= dtypes:
+            hint = f" The inputs are {', '.join(sorted(map(str, input_dtypes)))} but the parameters are {', '.join(sorted(map(str, dtypes)))}."
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise InvalidInputsError(
+            f"{type(model).__name__} raised {type(error).__name__} when called with example inputs "
+            f"{describe_inputs(args)}: {message}.{hint} Pass example inputs that model(*example_inputs) accepts "
+            "(check the number of arguments, shapes, dtypes and device)."
+        ) from error

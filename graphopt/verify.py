@@ -1,0 +1,118 @@
+"""Numerical verification: reference outputs, dtype-aware tolerances, isolated runs.
+
+Error is measured relative to the scale of each output tensor,
+``max|actual - expected| / max|expected|``, because models with random weights can
+produce logits around 1e-9 where any absolute tolerance would pass anything.
+Integer and boolean outputs must match exactly.
+
+Runs are isolated: the RNG is forked and seeded (dropout draws the same masks in the
+reference and the candidate) and buffers are restored afterwards (a train-mode
+BatchNorm's running statistics are not advanced by verification).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+# Largest accepted error relative to the output's scale, by the dtype the reference produced.
+# fp32 leaves headroom over the ~1e-6 that reordering a few hundred multiply-adds costs.
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+
+SEED = 0
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Accepted relative error for outputs of ``dtype`` (0 for exact types)."""
+    return TOLERANCES.get(dtype, 0.0)
+
+
+@contextlib.contextmanager
+def isolated(module: nn.Module, seed: int = SEED) -> Iterator[None]:
+    """Run ``module`` with a fixed RNG state and restore its buffers and the global RNG afterwards."""
+    saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            buffers = dict(module.named_buffers())
+            for name, value in saved.items():
+                if name in buffers:
+                    buffers[name].copy_(value)
+
+
+def run_isolated(module: nn.Module, args: tuple[Any, ...], seed: int = SEED) -> Any:
+    """``module(*args)`` with fixed RNG, no autograd, and buffers left as they were."""
+    with isolated(module, seed):
+        return module(*args)
+
+
+@dataclass
+class Comparison:
+    """The worst mismatch between two output structures."""
+
+    max_error: float
+    tolerance: float
+    where: str  # path of the worst output, e.g. "output[0]"
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.tolerance
+
+
+def _leaf_error(expected: Any, actual: Any) -> tuple[float, float, str]:
+    """(error, tolerance, detail) for one output leaf."""
+    if not isinstance(expected, torch.Tensor):
+        same = type(expected) is type(actual) and expected == actual
+        return (0.0 if same else float("inf")), 0.0, "" if same else f"expected {expected!r}, got {actual!r}"
+    if not isinstance(actual, torch.Tensor):
+        return float("inf"), 0.0, f"expected a tensor, got {type(actual).__name__}"
+    if expected.shape != actual.shape:
+        return float("inf"), 0.0, f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}"
+    tolerance = tolerance_for(expected.dtype)
+    if not (expected.is_floating_point() or expected.is_complex()):
+        same = torch.equal(expected, actual.to(expected.dtype))
+        return (0.0 if same else float("inf")), 0.0, "" if same else "integer outputs differ"
+    if expected.numel() == 0:
+        return 0.0, tolerance, ""
+    expected64, actual64 = expected.detach().double(), actual.detach().double()
+    nan_mismatch = torch.isnan(expected64) != torch.isnan(actual64)
+    if nan_mismatch.any():
+        return float("inf"), tolerance, "NaN where the original has a number (or the reverse)"
+    finite = torch.isfinite(expected64)
+    if not torch.equal(expected64[~finite].nan_to_num(), actual64[~finite].nan_to_num()):
+        return float("inf"), tolerance, "infinities differ"
+    diff = (expected64 - actual64)[finite].abs()
+    scale = expected64[finite].abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    error = float(diff.max() / scale) if diff.numel() else 0.0
+    return error, tolerance, f"max abs diff {float(diff.max()) if diff.numel() else 0.0:.3e} at output scale {float(scale):.3e}"
+
+
+def compare(expected: Any, actual: Any) -> Comparison:
+    """Compare two (nested) outputs leaf by leaf; the result names the worst leaf."""
+    expected_leaves, expected_spec = pytree.tree_flatten_with_path(expected)
+    actual_leaves, actual_spec = pytree.tree_flatten_with_path(actual)
+    if expected_spec != actual_spec:
+        return Comparison(float("inf"), 0.0, "output", f"output structure changed: {actual_spec} instead of {expected_spec}")
+    worst = Comparison(0.0, 0.0, "output")
+    worst_ratio = -1.0
+    for (path, exp_leaf), (_, act_leaf) in zip(expected_leaves, actual_leaves):
+        error, tolerance, detail = _leaf_error(exp_leaf, act_leaf)
+        ratio = error / tolerance if tolerance else (0.0 if error == 0 else float("inf"))
+        if ratio > worst_ratio:
+            worst_ratio = ratio
+            worst = Comparison(error, tolerance, "output" + pytree.keystr(path), detail)
+    return worst

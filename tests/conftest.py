@@ -1,0 +1,50 @@
+"""Shared test helpers: capture a small model in each graph form and compare outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import graphopt
+from graphopt.passes import PassContext
+
+FRONTENDS = ("fx", "export")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def captured(model: nn.Module, inputs: tuple[Any, ...], frontend: str) -> fx.GraphModule:
+    """``model`` captured by ``frontend`` (graphopt.capture deep-copies, so ``model`` stays untouched)."""
+    return graphopt.capture(model, inputs, frontend=frontend)
+
+
+def context(inputs: tuple[Any, ...], mode: str = "inference") -> PassContext:
+    return PassContext(mode=mode, example_inputs=inputs)  # type: ignore[arg-type]
+
+
+def relative_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    """max |actual - expected| relative to the largest magnitude of ``expected``."""
+    return float((expected.detach() - actual.detach()).abs().max() / expected.detach().abs().max())
+
+
+def randomize_batch_norms(model: nn.Module) -> nn.Module:
+    """Give every BatchNorm non-trivial statistics and affine parameters, so folding is really tested."""
+    generator = torch.Generator().manual_seed(1)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            features = module.num_features
+            with torch.no_grad():
+                if module.running_mean is not None:
+                    module.running_mean.copy_(torch.randn(features, generator=generator))
+                    module.running_var.copy_(torch.rand(features, generator=generator) + 0.5)
+                if module.affine:
+                    module.weight.copy_(torch.randn(features, generator=generator))
+                    module.bias.copy_(torch.randn(features, generator=generator))
+    return model

@@ -1,0 +1,243 @@
+"""graphopt.optimize end to end: the acceptance criteria of the core, on the reference models."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt.models import REFERENCE_MODELS
+from graphopt.ops import batch_norm_view, dropout_view
+from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
+
+
+def resnet(seed: int = 0) -> nn.Module:
+    return randomize_batch_norms(REFERENCE_MODELS["resnet"].build(seed))
+
+
+def resnet_inputs(batch: int = 2) -> tuple[torch.Tensor]:
+    # 32x32 is the smallest input the ResNet takes: keeps the suite fast
+    return (torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch)),)
+
+
+def state_bytes(model: nn.Module) -> dict[str, bytes]:
+    return {k: v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_resnet_inference_acceptance(frontend: str) -> None:
+    model = resnet().eval()
+    inputs = resnet_inputs(2)
+    before = state_bytes(model)
+
+    optimized = graphopt.optimize(model, inputs, frontend=frontend)
+
+    gm = optimized.graph_module
+    assert not [n for n in gm.graph.nodes if batch_norm_view(gm, n) is not None]
+    assert not [n for n in gm.graph.nodes if dropout_view(gm, n) is not None]
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in optimized.modules())
+    assert relative_error(model(*inputs), optimized(*inputs)) < 1e-5
+    other = resnet_inputs(5)
+    assert relative_error(model(*other), optimized(*other)) < 1e-5
+    assert state_bytes(model) == before
+    assert not model.training
+    report = optimized.graphopt_report
+    assert report.frontend == frontend and report.mode == "inference"
+    assert len(report["fold_conv_bn"].rewrites) == 12
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_MODELS))
+def test_every_reference_model_optimizes_and_matches(name: str) -> None:
+    reference = REFERENCE_MODELS[name]
+    model = reference.build().eval()
+    inputs = reference.example_inputs(batch_size=2)
+    optimized = graphopt.optimize(model, inputs)
+    assert relative_error(model(*inputs), optimized(*inputs)) < 1e-5
+    assert optimized.graphopt_report.frontend == "fx"
+
+
+def test_mode_follows_the_model_when_not_given() -> None:
+    inputs = resnet_inputs(2)
+    assert graphopt.optimize(resnet().eval(), inputs).graphopt_report.mode == "inference"
+    assert graphopt.optimize(resnet().train(), inputs).graphopt_report.mode == "training"
+
+
+def test_explicit_inference_mode_on_a_training_model_uses_eval_semantics() -> None:
+    model = resnet().train()
+    inputs = resnet_inputs(2)
+    optimized = graphopt.optimize(model, inputs, mode="inference")
+    assert model.training, "the user's model keeps its mode"
+    assert relative_error(copy.deepcopy(model).eval()(*inputs), optimized(*inputs)) < 1e-5
+
+
+def test_inference_module_runs_without_autograd_and_refuses_training() -> None:
+    optimized = graphopt.optimize(resnet().eval(), resnet_inputs(2))
+    out = optimized(*resnet_inputs(2))
+    assert torch.is_inference(out) and not out.requires_grad
+    optimized.eval()  # allowed: already eval
+    with pytest.raises(graphopt.ModeSwitchError, match="mode='training'"):
+        optimized.train()
+
+
+def test_inference_module_uses_no_grad_when_the_graph_updates_state() -> None:
+    # a training-mode BatchNorm inside an export graph writes its running statistics
+    class StatefulNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            return x * 2
+
+    optimized = graphopt.optimize(StatefulNorm().eval(), torch.randn(2, 3), frontend="export")
+    out = optimized(torch.randn(2, 3))
+    assert not torch.is_inference(out) and not out.requires_grad
+    assert not torch.is_inference(optimized.get_buffer("calls"))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_training_acceptance(frontend: str) -> None:
+    model = resnet().train()
+    inputs = resnet_inputs(4)
+    optimized = graphopt.optimize(model, inputs, frontend=frontend)
+    assert optimized.graphopt_report.mode == "training"
+    assert optimized.training
+
+    dropped = {name for name, _ in model.named_parameters()} - {name for name, _ in optimized.named_parameters()}
+    assert dropped == {"stem_conv.bias", "layer1.conv1.bias", "layer2.conv1.bias", "layer3.conv1.bias", "layer4.conv1.bias"}
+    assert set(optimized.state_dict()) <= set(model.state_dict())
+
+    reference = copy.deepcopy(model)
+    torch.manual_seed(3)
+    expected = reference(*inputs)
+    torch.manual_seed(3)  # same dropout masks
+    actual = optimized(*inputs)
+    assert relative_error(expected, actual) < 1e-5
+    expected.square().mean().backward()
+    actual.square().mean().backward()
+    reference_grads = dict(reference.named_parameters())
+    for name, parameter in optimized.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, rtol=1e-3, atol=1e-5)
+
+
+def test_training_module_trains_and_switches_to_eval_with_fx() -> None:
+    model = resnet().train()
+    inputs = resnet_inputs(4)
+    labels = torch.tensor([0, 1, 2, 3])
+    optimized = graphopt.optimize(model, inputs, frontend="fx")
+    reference = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, optimized)]
+    losses = []
+    for step in range(5):
+        step_losses = []
+        for module, optimizer in zip((reference, optimized), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = nn.functional.cross_entropy(module(*inputs), labels)
+            loss.backward()
+            optimizer.step()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+    assert losses[-1][1] < losses[0][1], "the optimized model learns"
+    assert abs(losses[-1][0] - losses[-1][1]) < 1e-3 * abs(losses[-1][0])
+    reference.eval()
+    optimized.eval()
+    assert relative_error(reference(*inputs), optimized(*inputs)) < 1e-4
+
+
+def test_export_captured_training_module_refuses_eval() -> None:
+    optimized = graphopt.optimize(resnet().train(), resnet_inputs(2), frontend="export")
+    with pytest.raises(graphopt.ModeSwitchError, match="torch.export"):
+        optimized.eval()
+
+
+def test_training_optimize_does_not_advance_the_models_statistics() -> None:
+    model = resnet().train()
+    before = state_bytes(model)
+    graphopt.optimize(model, resnet_inputs(2))
+    assert state_bytes(model) == before
+
+
+def test_passes_and_disable_choose_what_runs() -> None:
+    model, inputs = resnet().eval(), resnet_inputs(2)
+    only = graphopt.optimize(model, inputs, passes=["fold_conv_bn"]).graphopt_report
+    assert [p.name for p in only.passes] == ["fold_conv_bn"]
+    without = graphopt.optimize(model, inputs, disable=["fold_conv_bn"]).graphopt_report
+    assert [p.name for p in without.passes] == ["remove_dropout"]
+    exact_in_inference = graphopt.optimize(model, inputs, passes=["drop_conv_bias"]).graphopt_report
+    assert len(exact_in_inference["drop_conv_bias"].rewrites) == 5
+
+
+def test_verify_false_skips_the_numeric_checks() -> None:
+    report = graphopt.optimize(resnet().eval(), resnet_inputs(2), verify=False).graphopt_report
+    assert not report.verified
+    assert all(p.max_error is None for p in report.passes)
+    assert "verify: off" in str(report)
+
+
+def test_report_contents_and_renderings() -> None:
+    report = graphopt.optimize(resnet().eval(), resnet_inputs(2)).graphopt_report
+    fold = report["fold_conv_bn"]
+    assert fold.modified and fold.seconds > 0 and fold.max_error is not None and fold.max_error < 1e-5
+    erased = [change.target for change in fold.erased]
+    assert "layer1.bn1" in erased and "stem_bn" in erased and len(erased) == 12
+    assert fold.created == []
+    data = json.loads(report.to_json())
+    assert data["frontend"] == "fx" and data["passes"][1]["name"] == "fold_conv_bn"
+    text = str(report)
+    assert "fold_conv_bn" in text and "remove_dropout" in text and "frontend: fx" in text
+    assert "<table>" in report._repr_html_() and "fold_conv_bn" in report._repr_html_()
+    assert report.why("layer1.bn1") and "folded" in report.why("layer1.conv1")[0]
+    with pytest.raises(KeyError, match="ran: remove_dropout, fold_conv_bn"):
+        report["drop_conv_bias"]
+
+
+def test_report_explains_a_skip() -> None:
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return self.bn(y) + y
+
+    report = graphopt.optimize(Branch().eval(), torch.randn(2, 3, 6, 6)).graphopt_report
+    assert report.why("bn") == ["fold_conv_bn: skipped bn: conv2d output has 2 users; a rewrite would change the others"]
+    assert "skipped bn: conv2d output has 2 users" in str(report)
+
+
+def test_shape_dependent_model_is_optimized_through_export() -> None:
+    class ShapeBranch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.bn(self.conv(x))
+            return y.relu() if y.shape[-1] > 2 else y
+
+    model = randomize_batch_norms(ShapeBranch()).eval()
+    optimized = graphopt.optimize(model, torch.randn(2, 3, 6, 6))
+    report = optimized.graphopt_report
+    assert report.frontend == "export" and "TraceError" in report.capture_attempts["fx"]
+    assert "frontend: export (fx failed: TraceError" in str(report)
+    assert len(report["fold_conv_bn"].rewrites) == 1
+    other = torch.randn(3, 3, 6, 6)
+    assert relative_error(model(other), optimized(other)) < 1e-5
+
+
+def test_state_dict_keys_are_the_models_own() -> None:
+    model = resnet().eval()
+    optimized = graphopt.optimize(model, resnet_inputs(2))
+    keys, original = set(optimized.state_dict()), set(model.state_dict())
+    assert len(keys & original) > 10
+    # folding gives bias-free convs a bias, named like nn.Conv2d's own
+    assert all(key.endswith(".bias") and key.replace(".bias", ".weight") in original for key in keys - original)
+    assert not any(key.startswith("graph_module") for key in keys)
+    assert "graph_module" not in dict(optimized.named_children())

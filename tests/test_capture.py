@@ -1,0 +1,133 @@
+"""Capture: frontends, the eager check, fallback with reasons, dynamic batch, no mutation."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt.capture import capture_graph
+from graphopt.verify import run_isolated
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a shape: symbolic_trace cannot follow it, torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        if y.shape[-1] > 2:
+            y = torch.relu(y)
+        return y
+
+
+class ValueBranch(nn.Module):
+    """Control flow on tensor values: neither frontend can capture it as one graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+def test_fx_is_tried_first_and_keeps_module_names() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    gm = graphopt.capture(model, torch.randn(2, 3, 6, 6))
+    assert gm.meta["graphopt_frontend"] == "fx"
+    assert [n.op for n in gm.graph.nodes].count("call_module") == 2
+    assert set(gm.state_dict()) == set(model.state_dict())
+
+
+def test_fx_graph_carries_shapes_for_the_passes() -> None:
+    gm = graphopt.capture(nn.Sequential(nn.Linear(3, 4)), torch.randn(2, 3))
+    linear = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert tuple(linear.meta["tensor_meta"].shape) == (2, 4)
+
+
+def test_shape_dependent_control_flow_falls_back_to_export() -> None:
+    model = ShapeBranch().eval()
+    x = torch.randn(2, 3, 6, 6)
+    gm = graphopt.capture(model, x)
+    assert gm.meta["graphopt_frontend"] == "export"
+    torch.testing.assert_close(gm(x), model(x))
+
+    captured = capture_graph(model, (x,), run_isolated(model, (x,)))
+    assert captured.frontend == "export"
+    assert "control flow" in captured.attempts["fx"]
+
+
+def test_fx_only_raises_capture_error_with_reason_and_hint() -> None:
+    with pytest.raises(graphopt.CaptureError) as info:
+        graphopt.capture(ShapeBranch(), torch.randn(2, 3, 6, 6), frontend="fx")
+    assert "fx: TraceError" in str(info.value) and "frontend='auto'" in str(info.value)
+    assert set(info.value.attempts) == {"fx"}
+
+
+def test_uncapturable_model_lists_every_frontend() -> None:
+    with pytest.raises(graphopt.CaptureError) as info:
+        graphopt.capture(ValueBranch(), torch.randn(2, 3))
+    message = str(info.value)
+    assert "  - fx: " in message and "  - export: " in message
+    assert "torch.where or torch.cond" in message
+    assert set(info.value.attempts) == {"fx", "export"}
+
+
+def test_graph_that_computes_something_else_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    x = torch.randn(2, 3)
+    wrong = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3)))
+
+    def wrong_tracer(model: nn.Module, args: tuple, dynamic_batch: bool):
+        return wrong, wrong(*args), []
+
+    # graphopt.capture is also the public function; reach the module itself
+    capture_module = importlib.import_module("graphopt.capture")
+    monkeypatch.setitem(capture_module._TRACERS, "fx", wrong_tracer)
+    captured = capture_graph(model, (x,), run_isolated(model, (x,)))
+    assert captured.frontend == "export"
+    assert "computes something else than eager" in captured.attempts["fx"]
+
+
+def test_export_batch_dimension_is_dynamic_by_default() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2)).eval()
+    gm = graphopt.capture(model, torch.randn(2, 3, 6, 6), frontend="export")
+    other = torch.randn(5, 3, 6, 6)
+    torch.testing.assert_close(gm(other), model(other))
+
+
+def test_export_static_batch_when_asked() -> None:
+    model = nn.Linear(3, 2).eval()
+    gm = graphopt.capture(model, torch.randn(2, 3), frontend="export", dynamic_batch=False)
+    with pytest.raises(Exception):
+        gm(torch.randn(5, 3))
+
+
+def test_batch_of_one_is_reported_as_fixed() -> None:
+    model = nn.Linear(3, 2).eval()
+    x = torch.randn(1, 3)
+    captured = capture_graph(model, (x,), run_isolated(model, (x,)), "export")
+    assert any("batch of 2 or more" in note for note in captured.notes)
+
+
+def test_capture_does_not_touch_the_model() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = graphopt.capture(model, torch.randn(2, 3, 6, 6))
+    with torch.no_grad():
+        gm.get_parameter("0.weight").add_(1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training
+
+
+def test_capture_in_train_mode_does_not_advance_running_stats() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    for frontend in ("fx", "export"):
+        gm = graphopt.capture(model, torch.randn(2, 3, 6, 6), frontend=frontend)
+        assert torch.equal(gm.get_buffer("1.running_mean"), torch.zeros(4))
+        assert int(gm.get_buffer("1.num_batches_tracked")) == 0

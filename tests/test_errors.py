@@ -1,0 +1,118 @@
+"""Bad input: every error is a GraphoptError subclass whose message says what to do."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+
+
+def inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(2, 3, 6, 6),)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(graphopt.InvalidModelError, match="expected a torch.nn.Module.*got function"):
+        graphopt.optimize(lambda x: x, inputs())
+    assert issubclass(graphopt.InvalidModelError, TypeError)
+
+
+@pytest.mark.parametrize("bad", [{"x": torch.randn(2)}, 3, "tensor"])
+def test_example_inputs_of_the_wrong_kind(bad) -> None:
+    with pytest.raises(graphopt.InvalidInputsError, match="must be a tensor or a tuple"):
+        graphopt.optimize(model(), bad)
+
+
+def test_example_inputs_without_a_tensor() -> None:
+    with pytest.raises(graphopt.InvalidInputsError, match="contain no tensor"):
+        graphopt.optimize(model(), (1, 2))
+
+
+def test_example_inputs_the_model_rejects() -> None:
+    with pytest.raises(graphopt.InvalidInputsError) as info:
+        graphopt.optimize(model(), (torch.randn(2, 5, 6, 6),))
+    message = str(info.value)
+    assert "Sequential raised RuntimeError" in message and "Tensor[2, 5, 6, 6] float32 cpu" in message
+    assert "Pass example inputs that model(*example_inputs) accepts" in message
+
+
+def test_wrong_dtype_is_named() -> None:
+    with pytest.raises(graphopt.InvalidInputsError, match="inputs are torch.float64 but the parameters are torch.float32"):
+        graphopt.optimize(model(), (torch.randn(2, 3, 6, 6, dtype=torch.float64),))
+
+
+def test_inputs_on_another_device() -> None:
+    with pytest.raises(graphopt.InvalidInputsError, match="parameters are on cpu but example inputs .* are on meta"):
+        graphopt.optimize(model(), (torch.randn(2, 3, 6, 6, device="meta"),))
+
+
+def test_model_that_raises_in_forward() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("no forward for you")
+
+    with pytest.raises(graphopt.InvalidInputsError, match="Broken raised ValueError .*no forward for you"):
+        graphopt.optimize(Broken(), inputs())
+
+
+@pytest.mark.parametrize("option", ["passes", "disable"])
+def test_unknown_pass_name_suggests_the_close_one(option: str) -> None:
+    with pytest.raises(graphopt.UnknownPassError) as info:
+        graphopt.optimize(model(), inputs(), **{option: ["fold_conv_nb"]})
+    message = str(info.value)
+    assert f"unknown pass 'fold_conv_nb' in {option}=" in message and "Did you mean 'fold_conv_bn'?" in message
+    assert "graphopt.list_passes()" in message
+
+
+def test_pass_names_must_be_a_list() -> None:
+    with pytest.raises(graphopt.UnknownPassError, match="take a list of pass names"):
+        graphopt.optimize(model(), inputs(), passes="fold_conv_bn")
+
+
+def test_unknown_frontend() -> None:
+    with pytest.raises(graphopt.InvalidOptionError, match="unknown frontend 'jit': use one of 'auto', 'fx', 'export'"):
+        graphopt.optimize(model(), inputs(), frontend="jit")
+    with pytest.raises(graphopt.InvalidOptionError, match="unknown frontend"):
+        graphopt.capture(model(), inputs(), frontend="jit")
+
+
+def test_unknown_mode() -> None:
+    with pytest.raises(graphopt.InvalidOptionError, match="unknown mode 'eval'.*'inference', 'training'"):
+        graphopt.optimize(model(), inputs(), mode="eval")
+
+
+def test_pass_in_the_wrong_mode() -> None:
+    with pytest.raises(graphopt.PassModeError) as info:
+        graphopt.optimize(model(), inputs(), mode="training", passes=["fold_conv_bn"])
+    message = str(info.value)
+    assert "'fold_conv_bn' applies to inference mode, not training" in message
+    assert "mode='inference'" in message
+
+
+def test_model_that_cannot_be_copied() -> None:
+    class Locked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+    with pytest.raises(graphopt.InvalidModelError, match="could not copy Locked.*deep-copyable"):
+        graphopt.optimize(Locked(), torch.randn(2, 2))
+
+
+def test_every_error_is_a_graphopt_error() -> None:
+    for name in graphopt.__all__:
+        value = getattr(graphopt, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, graphopt.GraphoptError)

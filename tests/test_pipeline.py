@@ -1,0 +1,101 @@
+"""The pipeline: presets, pass resolution, node bookkeeping, and blame on a wrong pass."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import graphopt
+from graphopt.passes import REGISTRY, PassContext, PassInfo, PassResult
+from graphopt.passes.base import finish
+from graphopt.pipeline import PRESETS, resolve_passes
+from graphopt.report import PassReport
+
+
+def corrupt_adds(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """A deliberately wrong pass: turns every add into a subtraction."""
+    report = PassReport("corrupt_adds")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (operator.add, torch.add):
+            node.target = operator.sub
+            report.rewrite(node, "add -> sub")
+    return finish(gm, bool(report.rewrites), report)
+
+
+def break_graph(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """A deliberately broken pass: leaves a node reading a value defined after it."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nodes[0].args = (nodes[-1], *nodes[0].args[1:])
+    return PassResult(gm, True, PassReport("break_graph"))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + x
+
+
+@pytest.fixture
+def registered(monkeypatch: pytest.MonkeyPatch):
+    def register(function, name: str) -> None:
+        monkeypatch.setitem(REGISTRY, name, PassInfo(name, function, ("inference",), "test pass", exact=False))
+
+    return register
+
+
+def test_presets_are_ordered_and_resolved() -> None:
+    assert [p.name for p in resolve_passes("inference", None, ())] == list(PRESETS["inference"])
+    assert [p.name for p in resolve_passes("training", None, ())] == list(PRESETS["training"])
+    assert [p.name for p in resolve_passes("inference", None, ["remove_dropout"])] == ["fold_conv_bn"]
+    explicit = resolve_passes("inference", ["fold_conv_bn", "remove_dropout"], ())
+    assert [p.name for p in explicit] == ["fold_conv_bn", "remove_dropout"]
+
+
+def test_wrong_pass_raises_verification_error_and_leaves_model_alone(registered) -> None:
+    registered(corrupt_adds, "corrupt_adds")
+    model = Residual().eval()
+    weight = model.linear.weight.detach().clone()
+    with pytest.raises(graphopt.VerificationError) as info:
+        graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds"])
+    error = info.value
+    assert error.pass_name == "corrupt_adds" and error.max_error > 1e-3
+    message = str(error)
+    assert "pass 'corrupt_adds' changed output" in message
+    assert "add -> sub" in message and "disable=['corrupt_adds']" in message
+    assert torch.equal(model.linear.weight, weight)
+
+
+def test_wrong_pass_goes_unnoticed_only_without_verify(registered) -> None:
+    registered(corrupt_adds, "corrupt_adds")
+    model = Residual().eval()
+    optimized = graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds"], verify=False)
+    assert optimized.graphopt_report["corrupt_adds"].max_error is None
+
+
+def test_invalid_graph_is_blamed_on_its_pass(registered) -> None:
+    registered(break_graph, "break_graph")
+    with pytest.raises(graphopt.GraphoptError, match="pass 'break_graph' produced an invalid graph"):
+        graphopt.optimize(Residual().eval(), torch.randn(3, 4), passes=["break_graph"])
+
+
+def test_created_and_erased_nodes_are_recorded_per_pass() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Dropout()).eval()
+    report = graphopt.optimize(model, torch.randn(2, 3, 6, 6), frontend="export").graphopt_report
+    dropout, fold = report["remove_dropout"], report["fold_conv_bn"]
+    assert [c.target for c in dropout.erased] == ["aten.dropout.default"]
+    assert "aten.batch_norm.default" in [c.target for c in fold.erased]
+    # the bias-free conv receives a bias: one new get_attr node
+    assert [(c.op, c.target) for c in fold.created] == [("get_attr", "0.bias")]
+
+
+def test_pass_that_changes_nothing_is_not_verified_again() -> None:
+    model = nn.Sequential(nn.Linear(3, 3)).eval()
+    report = graphopt.optimize(model, torch.randn(2, 3)).graphopt_report
+    assert all(not p.modified and p.max_error == 0.0 for p in report.passes)
