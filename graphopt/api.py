@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphopt.capture import FRONTENDS, capture_graph
+from graphopt.capture import capture_graph, check_frontend
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError
 from graphopt.passes import MODES, Mode, PassContext
 from graphopt.pipeline import resolve_passes, run_passes
 from graphopt.report import Report
-from graphopt.validate import check_inputs, check_model, reference_outputs
+from graphopt.validate import check_inputs, check_model, reference_run
 from graphopt.verify import tolerance_for
 
 
@@ -30,9 +30,11 @@ class OptimizedModule(nn.Module):
 
     - ``graphopt_report``: the `Report` of what was done.
     - ``graph_module``: the optimized ``torch.fx.GraphModule`` (also ``.graph``, ``.code``).
-    - Inference: forward runs under ``torch.inference_mode()``, or ``torch.no_grad()``
-      when the graph updates stored state (inference tensors must not leak into it).
-      Outputs are then inference tensors: use them for inference, not in autograd.
+    - Inference: forward runs under ``torch.inference_mode()`` (``inference_mode`` is
+      True), whose outputs are inference tensors: they cannot be saved for backward
+      (e.g. as distillation targets) or updated in place later. Set
+      ``module.inference_mode = False`` to run under ``torch.no_grad()`` instead; that is
+      the default when the graph writes stored state.
     - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
       removed dropout would train wrongly); a graph captured by torch.export has its
       train/eval behaviour fixed, so switching its mode raises too.
@@ -50,9 +52,7 @@ class OptimizedModule(nn.Module):
         self._non_persistent_buffers_set = graph_module._non_persistent_buffers_set
         self.graphopt_report = report
         self.training = report.mode == "training"
-        self._grad_context: Callable[[], ContextManager[Any]] | None = None
-        if report.mode == "inference":
-            self._grad_context = torch.no_grad if _updates_state(graph_module) else torch.inference_mode
+        self.inference_mode = report.mode == "inference" and not _updates_state(graph_module)
 
     @property
     def graph(self) -> fx.Graph:
@@ -63,9 +63,9 @@ class OptimizedModule(nn.Module):
         return self.graph_module.code
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._grad_context is None:
+        if self.graphopt_report.mode == "training":
             return self.graph_module(*args, **kwargs)
-        with self._grad_context():
+        with torch.inference_mode() if self.inference_mode else torch.no_grad():
             return self.graph_module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> OptimizedModule:
@@ -91,9 +91,11 @@ class OptimizedModule(nn.Module):
 def _updates_state(gm: fx.GraphModule) -> bool:
     """Whether running the graph writes to stored tensors (an in-place op on an attribute)."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if node.target._schema.is_mutable and any(arg.op == "get_attr" for arg in node.all_input_nodes):
-                return True
+        reads_attribute = any(arg.op == "get_attr" for arg in node.all_input_nodes)
+        in_place_aten = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+        in_place_method = node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_")
+        if reads_attribute and (in_place_aten or in_place_method):
+            return True
     return False
 
 
@@ -138,8 +140,7 @@ def optimize(
     check_model(model)
     resolved_mode = _resolve_mode(mode, model)
     infos = resolve_passes(resolved_mode, passes, disable)
-    if frontend not in FRONTENDS:
-        raise InvalidOptionError(f"unknown frontend {frontend!r}: use one of {', '.join(map(repr, FRONTENDS))}")
+    check_frontend(frontend)  # before the costly steps below
     args = check_inputs(model, example_inputs)
     try:
         owned = copy.deepcopy(model)
@@ -149,8 +150,8 @@ def optimize(
             "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
         ) from error
     owned.train(resolved_mode == "training")
-    expected = reference_outputs(owned, args)
-    captured = capture_graph(owned, args, expected, frontend, dynamic_batch)
+    reference = reference_run(owned, args)
+    captured = capture_graph(owned, args, reference, frontend, dynamic_batch)
     gm = captured.graph_module
     report = Report(
         mode=resolved_mode,
@@ -158,11 +159,11 @@ def optimize(
         capture_attempts=captured.attempts,
         notes=captured.notes,
         verified=verify,
-        tolerance=_output_tolerance(expected),
+        tolerance=_output_tolerance(reference.outputs),
         capture_seconds=captured.seconds,
     )
     context = PassContext(mode=resolved_mode, example_inputs=args)
-    report.passes = run_passes(gm, infos, context, expected if verify else None, captured.max_error)
+    report.passes = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
     return OptimizedModule(gm, report)
 
 

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.errors import CaptureError, InvalidOptionError
-from graphopt.validate import check_inputs, check_model, reference_outputs
+from graphopt.validate import check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
 
@@ -54,12 +54,14 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, Any, list[str]]:
-    gm = fx.symbolic_trace(model)
+def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
+    with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
+        gm = fx.symbolic_trace(model)
     # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check.
-    with verify.isolated(gm):
+    state: dict[str, torch.Tensor] = {}
+    with verify.isolated(gm, state_after=state):
         outputs = ShapeProp(gm).propagate(*args)
-    return gm, outputs, []  # fx graphs take any batch size unless the model's code fixes one
+    return gm, verify.Reference(outputs, state), []  # fx graphs take any batch size unless the code fixes one
 
 
 def _batch_dynamic_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -69,7 +71,7 @@ def _batch_dynamic_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(pytree.tree_map(spec, arg) for arg in args)
 
 
-def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, Any, list[str]]:
+def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
     dynamic_shapes = _batch_dynamic_shapes(args) if dynamic_batch else None
     exported = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
     gm = exported.module()
@@ -83,31 +85,36 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) 
                 "(a batch of 1, or a model that hard-codes its batch size): the optimized model accepts only that "
                 "batch size. Give example inputs with a batch of 2 or more to keep it dynamic."
             )
-    return gm, verify.run_isolated(gm, args), notes
+    return gm, verify.run_reference(gm, args), notes
 
 
 _TRACERS = {"fx": _trace_fx, "export": _trace_export}
 
 
+def check_frontend(frontend: str) -> None:
+    if frontend not in FRONTENDS:
+        raise InvalidOptionError(f"unknown frontend {frontend!r}: use one of {', '.join(map(repr, FRONTENDS))}")
+
+
 def capture_graph(
     model: nn.Module,
     args: tuple[Any, ...],
-    expected: Any,
+    expected: verify.Reference,
     frontend: str = "auto",
     dynamic_batch: bool = True,
 ) -> Captured:
     """Capture ``model`` (which the caller owns: fx shares its submodules) and check it against ``expected``.
 
-    ``expected`` holds the eager outputs on ``args`` (from `verify.run_isolated`).
+    ``expected`` holds the eager outputs and state updates on ``args`` (`verify.run_reference`).
     """
-    if frontend not in FRONTENDS:
-        raise InvalidOptionError(f"unknown frontend {frontend!r}: use one of {', '.join(map(repr, FRONTENDS))}")
+    check_frontend(frontend)
     started = time.perf_counter()
     attempts: dict[str, str] = {}
     for name in ("fx", "export") if frontend == "auto" else (frontend,):
         try:
-            gm, outputs, notes = _TRACERS[name](model, args, dynamic_batch)
-            comparison = verify.compare(expected, outputs)
+            gm, actual, notes = _TRACERS[name](model, args, dynamic_batch)
+            comparison = verify.compare(expected.outputs, actual.outputs)
+            state_comparison = verify.compare_state(expected.state, actual.state)
         except Exception as error:  # any failure of a frontend is a reason to try the next one
             attempts[name] = _first_line(error)
             continue
@@ -115,6 +122,12 @@ def capture_graph(
             attempts[name] = (
                 f"the captured graph computes something else than eager: {comparison.where} differs by "
                 f"{comparison.max_error:.2e} (tolerance {comparison.tolerance:.0e}) {comparison.detail}".strip()
+            )
+            continue
+        if not state_comparison.ok:
+            attempts[name] = (
+                f"the captured graph does not update {state_comparison.where} as forward() does "
+                f"({state_comparison.detail}; symbolic_trace drops in-place updates of buffers)"
             )
             continue
         # Drop reads of attributes nothing uses (export reads every buffer), so each pass's
@@ -150,6 +163,6 @@ def capture(
     check_model(model)
     args = check_inputs(model, example_inputs)
     owned = copy.deepcopy(model)
-    captured = capture_graph(owned, args, reference_outputs(owned, args), frontend, dynamic_batch)
+    captured = capture_graph(owned, args, reference_run(owned, args), frontend, dynamic_batch)
     captured.graph_module.meta["graphopt_frontend"] = captured.frontend
     return captured.graph_module

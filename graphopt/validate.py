@@ -58,10 +58,10 @@ def check_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
     return args
 
 
-def reference_outputs(model: nn.Module, args: tuple[Any, ...]) -> Any:
-    """Eager outputs of ``model`` on ``args``; a model that rejects the inputs raises `InvalidInputsError`."""
+def reference_run(model: nn.Module, args: tuple[Any, ...]) -> verify.Reference:
+    """Eager outputs and state updates of ``model`` on ``args``; a model that rejects the inputs raises `InvalidInputsError`."""
     try:
-        return verify.run_isolated(model, args)
+        return verify.run_reference(model, args)
     except Exception as error:
         dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
         input_dtypes = {leaf.dtype for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}

@@ -39,8 +39,11 @@ def tolerance_for(dtype: torch.dtype) -> float:
 
 
 @contextlib.contextmanager
-def isolated(module: nn.Module, seed: int = SEED) -> Iterator[None]:
-    """Run ``module`` with a fixed RNG state and restore its buffers and the global RNG afterwards."""
+def isolated(module: nn.Module, seed: int = SEED, state_after: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
+    """Run ``module`` with a fixed RNG state and restore its buffers and the global RNG afterwards.
+
+    ``state_after``, when given, receives the buffers the run changed, with their new values.
+    """
     saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
@@ -48,6 +51,10 @@ def isolated(module: nn.Module, seed: int = SEED) -> Iterator[None]:
             yield
         finally:
             buffers = dict(module.named_buffers())
+            if state_after is not None:
+                state_after.update(
+                    {name: buffer.detach().clone() for name, buffer in buffers.items() if not torch.equal(buffer, saved[name])}
+                )
             for name, value in saved.items():
                 if name in buffers:
                     buffers[name].copy_(value)
@@ -57,6 +64,31 @@ def run_isolated(module: nn.Module, args: tuple[Any, ...], seed: int = SEED) -> 
     """``module(*args)`` with fixed RNG, no autograd, and buffers left as they were."""
     with isolated(module, seed):
         return module(*args)
+
+
+@dataclass
+class Reference:
+    """What one isolated run produced: outputs, and the buffers it changed (new values)."""
+
+    outputs: Any
+    state: dict[str, torch.Tensor]
+
+
+def run_reference(module: nn.Module, args: tuple[Any, ...], seed: int = SEED) -> Reference:
+    """Like `run_isolated`, also recording the state updates (e.g. BatchNorm running statistics)."""
+    state: dict[str, torch.Tensor] = {}
+    with isolated(module, seed, state):
+        outputs = module(*args)
+    return Reference(outputs, state)
+
+
+def compare_state(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> Comparison:
+    """Compare two runs' buffer updates (name -> new value): the same buffers must change, alike."""
+    for name in sorted(expected.keys() ^ actual.keys()):
+        return Comparison(float("inf"), 0.0, f"buffer['{name}']", "changed by one run only")
+    names = sorted(expected)  # module and graph list buffers in different orders
+    result = compare({name: expected[name] for name in names}, {name: actual[name] for name in names})
+    return Comparison(result.max_error, result.tolerance, result.where.replace("output", "buffer", 1), result.detail)
 
 
 @dataclass

@@ -48,3 +48,29 @@ def randomize_batch_norms(model: nn.Module) -> nn.Module:
                     module.weight.copy_(torch.randn(features, generator=generator))
                     module.bias.copy_(torch.randn(features, generator=generator))
     return model
+
+
+class ConvOutputReused(nn.Module):
+    """A conv whose raw output is also read on a path without the BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a shape: symbolic_trace cannot follow it, torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        if y.shape[-1] > 2:
+            y = torch.relu(y)
+        return y

@@ -12,7 +12,8 @@ import torch.nn as nn
 import graphopt
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import batch_norm_view, dropout_view
-from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
+from tests.test_capture import CountsCalls
+from tests.conftest import FRONTENDS, ConvOutputReused, ShapeBranch, randomize_batch_norms, relative_error
 
 
 def resnet(seed: int = 0) -> nn.Module:
@@ -83,21 +84,23 @@ def test_inference_module_runs_without_autograd_and_refuses_training() -> None:
         optimized.train()
 
 
+def test_inference_outputs_can_be_training_targets_with_no_grad() -> None:
+    teacher = graphopt.optimize(resnet().eval(), resnet_inputs(2))
+    teacher.inference_mode = False
+    target = teacher(*resnet_inputs(2))
+    assert not torch.is_inference(target) and not target.requires_grad
+    student = nn.Linear(10, 10)
+    nn.functional.mse_loss(student(target), target).backward()  # an inference tensor would raise here
+    assert student.weight.grad is not None
+
+
 def test_inference_module_uses_no_grad_when_the_graph_updates_state() -> None:
-    # a training-mode BatchNorm inside an export graph writes its running statistics
-    class StatefulNorm(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("calls", torch.zeros(()))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls.add_(1)
-            return x * 2
-
-    optimized = graphopt.optimize(StatefulNorm().eval(), torch.randn(2, 3), frontend="export")
+    optimized = graphopt.optimize(CountsCalls().eval(), torch.randn(2, 3))
+    assert optimized.graphopt_report.frontend == "export" and not optimized.inference_mode
     out = optimized(torch.randn(2, 3))
     assert not torch.is_inference(out) and not out.requires_grad
     assert not torch.is_inference(optimized.get_buffer("calls"))
+    assert int(optimized.get_buffer("calls")) == 1
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -198,30 +201,12 @@ def test_report_contents_and_renderings() -> None:
 
 
 def test_report_explains_a_skip() -> None:
-    class Branch(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.conv(x)
-            return self.bn(y) + y
-
-    report = graphopt.optimize(Branch().eval(), torch.randn(2, 3, 6, 6)).graphopt_report
+    report = graphopt.optimize(ConvOutputReused().eval(), torch.randn(2, 3, 6, 6)).graphopt_report
     assert report.why("bn") == ["fold_conv_bn: skipped bn: conv2d output has 2 users; a rewrite would change the others"]
     assert "skipped bn: conv2d output has 2 users" in str(report)
 
 
 def test_shape_dependent_model_is_optimized_through_export() -> None:
-    class ShapeBranch(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.bn(self.conv(x))
-            return y.relu() if y.shape[-1] > 2 else y
-
     model = randomize_batch_norms(ShapeBranch()).eval()
     optimized = graphopt.optimize(model, torch.randn(2, 3, 6, 6))
     report = optimized.graphopt_report

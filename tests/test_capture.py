@@ -10,21 +10,8 @@ import torch.nn as nn
 
 import graphopt
 from graphopt.capture import capture_graph
-from graphopt.verify import run_isolated
-
-
-class ShapeBranch(nn.Module):
-    """Python control flow on a shape: symbolic_trace cannot follow it, torch.export can."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.bn(self.conv(x))
-        if y.shape[-1] > 2:
-            y = torch.relu(y)
-        return y
+from graphopt.verify import Reference, run_reference
+from tests.conftest import ShapeBranch
 
 
 class ValueBranch(nn.Module):
@@ -57,7 +44,7 @@ def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     assert gm.meta["graphopt_frontend"] == "export"
     torch.testing.assert_close(gm(x), model(x))
 
-    captured = capture_graph(model, (x,), run_isolated(model, (x,)))
+    captured = capture_graph(model, (x,), run_reference(model, (x,)))
     assert captured.frontend == "export"
     assert "control flow" in captured.attempts["fx"]
 
@@ -84,14 +71,39 @@ def test_graph_that_computes_something_else_is_rejected(monkeypatch: pytest.Monk
     wrong = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3)))
 
     def wrong_tracer(model: nn.Module, args: tuple, dynamic_batch: bool):
-        return wrong, wrong(*args), []
+        return wrong, Reference(wrong(*args), {}), []
 
     # graphopt.capture is also the public function; reach the module itself
     capture_module = importlib.import_module("graphopt.capture")
     monkeypatch.setitem(capture_module._TRACERS, "fx", wrong_tracer)
-    captured = capture_graph(model, (x,), run_isolated(model, (x,)))
+    captured = capture_graph(model, (x,), run_reference(model, (x,)))
     assert captured.frontend == "export"
     assert "computes something else than eager" in captured.attempts["fx"]
+
+
+class CountsCalls(nn.Module):
+    """Updates a buffer in place: symbolic_trace silently drops that, torch.export keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x * 2
+
+
+def test_graph_that_drops_a_state_update_is_rejected() -> None:
+    model = CountsCalls()
+    x = torch.randn(2, 3)
+    captured = capture_graph(model, (x,), run_reference(model, (x,)))
+    assert captured.frontend == "export"
+    assert "does not update buffer['calls']" in captured.attempts["fx"]
+    assert int(model.calls) == 0, "neither tracing nor checking advanced the state"
+    captured.graph_module(x)
+    assert int(captured.graph_module.get_buffer("calls")) == 1
+    with pytest.raises(graphopt.CaptureError, match="drops in-place updates of buffers"):
+        graphopt.capture(model, (x,), frontend="fx")
 
 
 def test_export_batch_dimension_is_dynamic_by_default() -> None:
@@ -111,7 +123,7 @@ def test_export_static_batch_when_asked() -> None:
 def test_batch_of_one_is_reported_as_fixed() -> None:
     model = nn.Linear(3, 2).eval()
     x = torch.randn(1, 3)
-    captured = capture_graph(model, (x,), run_isolated(model, (x,)), "export")
+    captured = capture_graph(model, (x,), run_reference(model, (x,)), "export")
     assert any("batch of 2 or more" in note for note in captured.notes)
 
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from graphopt.verify import compare, run_isolated, tolerance_for
+from graphopt.verify import compare, compare_state, run_isolated, run_reference, tolerance_for
 
 
 def test_identical_outputs_have_no_error() -> None:
@@ -63,3 +63,21 @@ def test_isolated_run_restores_buffers_and_fixes_randomness() -> None:
     state = torch.random.get_rng_state()
     run_isolated(model, (x,))
     assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_reference_records_only_the_buffers_a_run_changes() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3).eval()).train()
+    model[1].eval()
+    reference = run_reference(model, (torch.randn(8, 3) + 5,))
+    assert set(reference.state) == {"0.running_mean", "0.running_var", "0.num_batches_tracked"}
+    assert torch.equal(model[0].running_mean, torch.zeros(3))
+
+
+def test_state_comparison_names_the_buffer() -> None:
+    a = {"bn.running_mean": torch.ones(3), "bn.running_var": torch.ones(3)}
+    b = {"bn.running_var": torch.ones(3), "bn.running_mean": torch.ones(3)}
+    assert compare_state(a, b).ok, "order does not matter"
+    missing = compare_state(a, {"bn.running_mean": torch.ones(3)})
+    assert not missing.ok and missing.where == "buffer['bn.running_var']" and missing.detail == "changed by one run only"
+    different = compare_state(a, {**a, "bn.running_mean": torch.ones(3) * 2})
+    assert not different.ok and different.where == "buffer['bn.running_mean']"

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from graphopt.passes.drop_conv_bias import drop_conv_bias
-from tests.conftest import FRONTENDS, captured, context, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, ConvOutputReused, captured, context, randomize_batch_norms, relative_error
 
 LAYERS = {
     "conv1d": (lambda: nn.Conv1d(3, 4, 3), nn.BatchNorm1d, (4, 3, 9)),
@@ -135,16 +135,7 @@ def assert_kept(model: nn.Module, inputs: tuple, reason: str, frontend: str = "f
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_guard_conv_output_with_other_users(frontend: str) -> None:
-    class Branch(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.conv(x)
-            return self.bn(y) + y  # the bias matters on the path without the BatchNorm
-
-    assert_kept(with_biases(Branch()), (torch.randn(2, 3, 6, 6),), "output has 2 users", frontend)
+    assert_kept(with_biases(ConvOutputReused()), (torch.randn(2, 3, 6, 6),), "output has 2 users", frontend)
 
 
 def test_guard_conv_module_called_twice() -> None:

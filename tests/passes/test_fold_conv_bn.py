@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from graphopt.ops import batch_norm_view, weighted_op_view
 from graphopt.passes.fold_conv_bn import fold_conv_bn
-from tests.conftest import FRONTENDS, captured, context, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, ConvOutputReused, captured, context, randomize_batch_norms, relative_error
 
 CONVS = {
     "conv1d": (nn.Conv1d, nn.BatchNorm1d, (2, 4, 9)),
@@ -136,16 +136,7 @@ def assert_skipped(gm, report, inputs, expected, reason: str) -> None:
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_guard_conv_output_with_other_users(frontend: str) -> None:
-    class Branch(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.conv(x)
-            return self.bn(y) + y  # the raw conv output is read on a path without the BatchNorm
-
-    model = randomize_batch_norms(Branch()).eval()
+    model = randomize_batch_norms(ConvOutputReused()).eval()
     inputs = (torch.randn(2, 3, 6, 6),)
     gm = captured(model, inputs, frontend)
     report = fold_conv_bn(gm, context(inputs)).report
