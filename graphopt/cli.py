@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import sys
@@ -64,15 +65,31 @@ def load_factory(reference: str) -> nn.Module:
         raise UsageError(f"{reference!r} is not MODULE:FACTORY, e.g. graphopt.models:resnet_small")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UsageError(f"cannot import {module_name!r} ({error}); is it on PYTHONPATH?") from error
+    except Exception as error:  # a module that fails to import is the user's to fix, not a crash
+        raise UsageError(f"cannot import {module_name!r} ({type(error).__name__}: {error}); is it on PYTHONPATH?") from error
     factory = getattr(module, attribute, None)
     if factory is None:
-        raise UsageError(f"module {module_name!r} has no attribute {attribute!r}")
-    model = factory if isinstance(factory, nn.Module) else factory()
+        close = difflib.get_close_matches(attribute, [name for name in dir(module) if not name.startswith("_")], n=1)
+        hint = f"; did you mean {module_name}:{close[0]}?" if close else ""
+        raise UsageError(f"module {module_name!r} has no attribute {attribute!r}{hint}")
+    if isinstance(factory, nn.Module):
+        return factory
+    if not callable(factory):
+        raise UsageError(f"{reference} is a {type(factory).__name__}: name a function that returns an nn.Module")
+    try:
+        model = factory()
+    except TypeError as error:
+        raise UsageError(f"calling {reference}() failed ({error}): FACTORY must build the model with no arguments") from error
     if not isinstance(model, nn.Module):
         raise UsageError(f"{reference} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _split_names(text: str | None) -> list[str] | None:
@@ -151,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="optimize a built-in model and compare its latency with eager")
     demo.add_argument("--model", choices=sorted(REFERENCE_MODELS), default="resnet")
-    demo.add_argument("--batch", type=int, default=None, help="batch size (default: the model's example batch)")
+    demo.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's example batch)")
     demo.set_defaults(handler=_command_demo)
 
     passes = commands.add_parser("passes", help="list the available passes")

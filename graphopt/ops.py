@@ -356,9 +356,6 @@ class BatchNormView:
     module: nn.Module | None = None
     unsupported: str | None = None
 
-    @property
-    def uses_running_stats(self) -> bool:
-        return self.running_mean is not None and self.running_var is not None
 
 
 def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
@@ -406,8 +403,6 @@ def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
         is_first_item = [u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users]
         output = users[0] if len(users) == 1 and is_first_item[0] else None
     training = bool(arguments.get("training")) if "training" in signature.names else False
-    if running_mean is None and arguments.get("running_mean") is None:
-        training = True  # no running statistics: batch statistics are always used
     return BatchNormView(
         node=node,
         form=form,

@@ -1,0 +1,323 @@
+"""Tests of the ``graphopt`` command line (graphopt.cli).
+
+Commands run in-process through ``graphopt.cli.main(argv)``; one test runs
+``python -m graphopt.cli`` in a subprocess to check the exit status reaches the shell.
+Inputs stay small (batch 2, 32x32) so every command finishes in about a second.
+No test measures time: the demo's latency measurement is replaced by a stub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import cli
+from graphopt.errors import GraphoptError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESNET = "graphopt.models:resnet_small"
+SMALL_INPUT = "2x3x32x32"
+
+
+def not_a_model() -> int:
+    """A factory that returns something other than an nn.Module."""
+    return 3
+
+
+# importable both as tests.test_cli and as test_cli, whichever way pytest imported this file
+NOT_A_MODEL = f"{__name__}:not_a_model"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """The report table's rows, pass name -> its cells, in printed order."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["pass", "rewrites"])
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}, lines[header + 1]
+    rows: dict[str, list[str]] = {}
+    for line in lines[header + 2 :]:
+        if not line.strip() or line.startswith("report written") or line.startswith("(no passes ran)"):
+            break
+        if line.startswith(" "):  # a skip reason under its pass
+            continue
+        cells = line.split()
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+# --------------------------------------------------------------------------- passes
+
+
+def test_passes_lists_every_registered_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "passes")
+    assert code == 0 and err == ""
+    infos = graphopt.list_passes()
+    assert len(infos) >= 3
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == [info.name for info in infos]
+    for line, info in zip(lines, infos):
+        assert f"[{', '.join(info.modes)}]" in line
+        assert info.description in line
+
+
+# --------------------------------------------------------------------------- optimize
+
+
+def test_optimize_prints_the_report_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report_path = tmp_path / "r.json"
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--report", str(report_path))
+    assert code == 0, err
+    assert "graphopt: error" not in err
+    assert "mode: inference" in out and "frontend: fx" in out and "verify: on" in out
+    rows = table_rows(out)
+    assert list(rows) == ["remove_dropout", "fold_conv_bn"]
+    assert f"report written to {report_path}" in out
+
+    data = json.loads(report_path.read_text())
+    assert data["mode"] == "inference" and data["frontend"] == "fx"
+    passes = {p["name"]: p for p in data["passes"]}
+    assert list(passes) == ["remove_dropout", "fold_conv_bn"]
+    for name, report in passes.items():
+        assert len(report["rewrites"]) > 0, name
+        assert all(rewrite["where"] and rewrite["detail"] for rewrite in report["rewrites"])
+        assert report["modified"] is True
+        # the table and the JSON describe the same run
+        assert rows[name][0] == str(len(report["rewrites"]))
+        assert rows[name][1] == str(len(report["skips"]))
+    assert any("bn" in rewrite["detail"] for rewrite in passes["fold_conv_bn"]["rewrites"])
+
+
+def test_optimize_in_training_mode_runs_drop_conv_bias(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--mode", "training")
+    assert code == 0, err
+    assert "mode: training" in out
+    rows = table_rows(out)
+    assert list(rows) == ["drop_conv_bias"]
+    assert int(rows["drop_conv_bias"][0]) > 0
+
+
+def test_optimize_runs_exactly_the_passes_given(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--passes", "fold_conv_bn")
+    assert code == 0, err
+    rows = table_rows(out)
+    assert list(rows) == ["fold_conv_bn"]
+    assert int(rows["fold_conv_bn"][0]) > 0
+
+
+def test_optimize_runs_the_passes_in_the_order_given(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--passes", "fold_conv_bn, remove_dropout")
+    assert code == 0, err
+    assert list(table_rows(out)) == ["fold_conv_bn", "remove_dropout"]
+
+
+def test_optimize_leaves_out_disabled_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "fold_conv_bn")
+    assert code == 0, err
+    assert list(table_rows(out)) == ["remove_dropout"]
+    assert "fold_conv_bn" not in out
+
+
+def test_optimize_with_every_pass_disabled_runs_none(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "remove_dropout,fold_conv_bn")
+    assert code == 0, err
+    assert table_rows(out) == {}
+    assert "(no passes ran)" in out
+
+
+def test_optimize_without_verification(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--no-verify", "--passes", "fold_conv_bn")
+    assert code == 0, err
+    assert "verify: off" in out
+    assert table_rows(out)["fold_conv_bn"][3] == "-"  # max error column: not measured
+
+
+def test_optimize_with_the_export_frontend(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--frontend", "export", "--passes", "fold_conv_bn")
+    assert code == 0, err
+    assert "frontend: export" in out
+    assert int(table_rows(out)["fold_conv_bn"][0]) > 0
+
+
+# --------------------------------------------------------------------------- errors
+
+ERROR_CASES = {
+    "input_not_a_number": (["optimize", RESNET, "--input", "8x3xfoo"], ["'8x3xfoo'", "SHAPE[:DTYPE]", "e.g. 8x3x224x224"]),
+    "input_unknown_dtype": (["optimize", RESNET, "--input", "8x3:complex"], ["'8x3:complex'", "dtypes:", "float32", "int64"]),
+    "input_zero_size": (["optimize", RESNET, "--input", "2x3x0x32"], ["'2x3x0x32'", "SHAPE[:DTYPE]"]),
+    "target_without_colon": (["optimize", "graphopt.models", "--input", SMALL_INPUT], ["'graphopt.models'", "MODULE:FACTORY", "graphopt.models:resnet_small"]),
+    "module_not_importable": (["optimize", "no_such_module_for_graphopt_tests:build", "--input", SMALL_INPUT], ["cannot import", "'no_such_module_for_graphopt_tests'", "PYTHONPATH"]),
+    "missing_attribute": (["optimize", "graphopt.models:resnet_tiny", "--input", SMALL_INPUT], ["'graphopt.models'", "no attribute 'resnet_tiny'"]),
+    "factory_returns_non_module": (["optimize", NOT_A_MODEL, "--input", SMALL_INPUT], ["not_a_model", "returned int", "not a torch.nn.Module"]),
+    "unknown_pass": (["optimize", RESNET, "--input", SMALL_INPUT, "--passes", "fold_conv_b"], ["unknown pass 'fold_conv_b'", "Did you mean 'fold_conv_bn'"]),
+    "unknown_disabled_pass": (["optimize", RESNET, "--input", SMALL_INPUT, "--disable", "remove_dropot"], ["unknown pass 'remove_dropot'", "Did you mean 'remove_dropout'"]),
+    "pass_for_another_mode": (["optimize", RESNET, "--input", SMALL_INPUT, "--mode", "training", "--passes", "fold_conv_bn"], ["'fold_conv_bn'", "inference mode", "not training"]),
+    "model_rejects_input": (["optimize", RESNET, "--input", "2x3x32"], ["raised", "[2, 3, 32]", "Pass example inputs"]),
+    "model_rejects_second_input": (["optimize", RESNET, "--input", SMALL_INPUT, "--input", "2x3"], ["raised TypeError", "[2, 3]", "number of arguments"]),
+}
+
+
+@pytest.mark.parametrize(("argv", "fragments"), list(ERROR_CASES.values()), ids=list(ERROR_CASES))
+def test_errors_exit_2_with_a_message_saying_what_to_do(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragments: list[str]
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("graphopt: error: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.mark.parametrize("target", ["graphopt.models:__all__", "graphopt.models.resnet:nn"], ids=["list", "module"])
+def test_a_target_that_is_not_callable_is_a_usage_error(capsys: pytest.CaptureFixture[str], target: str) -> None:
+    code, _, err = run(capsys, "optimize", target, "--input", SMALL_INPUT)
+    assert code == 2
+    assert err.startswith("graphopt: error: ") and target in err
+
+
+def test_a_factory_that_needs_arguments_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "optimize", "graphopt.models:get_reference_model", "--input", SMALL_INPUT)
+    assert code == 2
+    assert err.startswith("graphopt: error: ") and "get_reference_model" in err
+
+
+def test_a_misspelt_factory_name_suggests_the_close_match(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "optimize", "graphopt.models:resnet_smal", "--input", SMALL_INPUT)
+    assert code == 2
+    assert "resnet_small" in err
+
+
+def test_the_module_entry_point_exits_with_the_error_status() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "graphopt.cli", "optimize", RESNET, "--input", "8x3xfoo"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("graphopt: error: ")]
+    assert len(errors) == 1 and "'8x3xfoo'" in errors[0], result.stderr
+
+
+# --------------------------------------------------------------------------- parse_input_spec
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "dtype"),
+    [
+        ("2x3x4x5", (2, 3, 4, 5), torch.float32),
+        ("7", (7,), torch.float32),
+        ("2X3", (2, 3), torch.float32),
+        ("2x3:float32", (2, 3), torch.float32),
+        ("2x3:float64", (2, 3), torch.float64),
+        ("2x3:float16", (2, 3), torch.float16),
+        ("2x3:bfloat16", (2, 3), torch.bfloat16),
+        ("4x6:int64", (4, 6), torch.int64),
+        ("4x6:int32", (4, 6), torch.int32),
+    ],
+)
+def test_parse_input_spec_shapes_and_dtypes(spec: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    tensor = cli.parse_input_spec(spec, generator())
+    assert tuple(tensor.shape) == shape
+    assert tensor.dtype == dtype
+
+
+def test_parse_input_spec_draws_integers_from_0_to_7() -> None:
+    tensor = cli.parse_input_spec("64x64:int64", generator())
+    assert tensor.min() >= 0 and tensor.max() < 8
+    assert set(tensor.unique().tolist()) == set(range(8))
+
+
+def test_parse_input_spec_draws_standard_normal_floats() -> None:
+    tensor = cli.parse_input_spec("64x64", generator())
+    assert abs(tensor.mean().item()) < 0.1
+    assert 0.9 < tensor.std().item() < 1.1
+
+
+def test_parse_input_spec_is_determined_by_the_generator() -> None:
+    first = cli.parse_input_spec("3x5", generator(0))
+    torch.testing.assert_close(cli.parse_input_spec("3x5", generator(0)), first)
+    assert not torch.equal(cli.parse_input_spec("3x5", generator(1)), first)
+
+
+@pytest.mark.parametrize("spec", ["", "x", "8x", "8x3xfoo", "8x3:complex", "0x3", "-1x3", "8x3:int8", "8,3", "2.5x3", ":int64"])
+def test_parse_input_spec_rejects_malformed_specs(spec: str) -> None:
+    with pytest.raises(GraphoptError, match=r"is not SHAPE\[:DTYPE\]"):
+        cli.parse_input_spec(spec, generator())
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@pytest.fixture
+def timing_stub(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Replace the latency measurement: call each variant once and report fixed times.
+
+    Records each variant's output and whether it ran the module `optimize` returned.
+    """
+    optimized_calls: list[int] = []
+    record: dict[str, Any] = {"outputs": {}, "ran_optimized": {}}
+    real_optimize = cli.optimize
+
+    def spying_optimize(*args: Any, **kwargs: Any) -> Any:
+        module = real_optimize(*args, **kwargs)
+        module.register_forward_hook(lambda *_: optimized_calls.append(1))
+        return module
+
+    def fake_median_latencies(variants: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        for name, variant in variants.items():
+            before = len(optimized_calls)
+            record["outputs"][name] = variant()
+            record["ran_optimized"][name] = len(optimized_calls) > before
+        return {name: 0.004 / (index + 1) for index, name in enumerate(variants)}
+
+    monkeypatch.setattr(cli, "optimize", spying_optimize)
+    monkeypatch.setattr(cli, "median_latencies", fake_median_latencies)
+    return record
+
+
+def test_demo_prints_the_report_and_the_latency_ratio(capsys: pytest.CaptureFixture[str], timing_stub: dict[str, Any]) -> None:
+    code, out, err = run(capsys, "demo", "--model", "resnet", "--batch", "2")
+    assert code == 0, err
+    assert "graphopt demo: resnet" in out
+    assert "input [2, 3, 64, 64]" in out
+    assert list(table_rows(out)) == ["remove_dropout", "fold_conv_bn"]
+    ratio_lines = [line for line in out.splitlines() if "x vs eager" in line]
+    assert len(ratio_lines) == 2
+    assert ratio_lines[0].split()[0] == "eager" and ratio_lines[1].split()[0] == "graphopt"
+    # the variants compared are the eager model and the optimized one, computing the same thing
+    assert timing_stub["ran_optimized"] == {"eager (no_grad)": False, "graphopt": True}
+    eager, optimized = timing_stub["outputs"]["eager (no_grad)"], timing_stub["outputs"]["graphopt"]
+    assert eager.shape[0] == 2
+    torch.testing.assert_close(optimized, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", ["0", "-1"])
+def test_demo_rejects_a_batch_size_below_one(capsys: pytest.CaptureFixture[str], timing_stub: dict[str, Any], batch: str) -> None:
+    with pytest.raises(SystemExit) as info:  # argparse's own usage error
+        run(capsys, "demo", "--model", "resnet", "--batch", batch)
+    assert info.value.code == 2
+    assert "argument --batch: must be 1 or more" in capsys.readouterr().err
