@@ -125,9 +125,10 @@ def capture_graph(
             )
             continue
         if not state_comparison.ok:
+            why = "; symbolic_trace drops in-place updates of buffers" if name == "fx" else ""
             attempts[name] = (
                 f"the captured graph does not update {state_comparison.where} as forward() does "
-                f"({state_comparison.detail}; symbolic_trace drops in-place updates of buffers)"
+                f"({state_comparison.detail}{why})"
             )
             continue
         # Drop reads of attributes nothing uses (export reads every buffer), so each pass's

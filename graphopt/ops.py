@@ -41,13 +41,10 @@ def get_attr(root: nn.Module, target: str) -> Any:
 
 
 def set_attr(root: nn.Module, target: str, value: Any) -> None:
-    """Store ``value`` at dotted path ``target``, keeping its registration kind (parameter/buffer)."""
+    """Store ``value`` at dotted path ``target`` (``nn.Module`` keeps a plain tensor stored as a buffer a buffer)."""
     owner_path, _, name = target.rpartition(".")
     owner = root.get_submodule(owner_path) if owner_path else root
-    if name in owner._buffers and not isinstance(value, nn.Parameter):
-        owner._buffers[name] = value
-    else:
-        setattr(owner, name, value)
+    setattr(owner, name, value)
 
 
 def delete_attr(root: nn.Module, target: str) -> None:
