@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.errors import CaptureError, InvalidOptionError
+from graphopt.ops import remove_dead_code
 from graphopt.validate import check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
@@ -131,9 +132,9 @@ def capture_graph(
                 f"({state_comparison.detail}{why})"
             )
             continue
-        # Drop reads of attributes nothing uses (export reads every buffer), so each pass's
-        # node changes in the report are its own.
-        gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.op != "get_attr")
+        # Drop what the frontend left unused (export reads every buffer, keeps dead shape
+        # computations), so each pass's node changes in the report are its own.
+        remove_dead_code(gm)
         gm.recompile()
         return Captured(gm, name, attempts, notes, time.perf_counter() - started, comparison.max_error)
     reasons = "\n".join(f"  - {name}: {reason}" for name, reason in attempts.items())

@@ -87,6 +87,15 @@ def replace_tensor(root: nn.Module, target: str, value: torch.Tensor) -> torch.T
     return stored
 
 
+def remove_dead_code(gm: fx.GraphModule) -> None:
+    """Erase nodes whose results nothing uses, keeping side effects.
+
+    ``call_module`` nodes stay even without users: a module may act through side
+    effects (export's guard checks do), which fx's own purity test does not see.
+    """
+    gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.op == "call_module" or node.is_impure())
+
+
 def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     """The submodule a ``call_module`` node calls, else ``None``."""
     if node.op != "call_module":

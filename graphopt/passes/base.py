@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal, NamedTuple
 
 import torch.fx as fx
 
-from graphopt.ops import delete_attr
+from graphopt.ops import delete_attr, remove_dead_code
 from graphopt.report import PassReport
 
 Mode = Literal["inference", "training"]
@@ -45,8 +45,7 @@ def finish(gm: fx.GraphModule, modified: bool, report: PassReport, dropped_attrs
     BatchNorm's statistics); each is deleted unless some node still reads it.
     """
     if modified:
-        # call_module nodes stay: a module may act through side effects (export's guard checks do).
-        gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.op == "call_module" or node.is_impure())
+        remove_dead_code(gm)
         still_read = {str(node.target) for node in gm.graph.nodes if node.op in ("get_attr", "call_module")}
         for target in dropped_attrs:
             owners = {target.rsplit(".", i)[0] for i in range(target.count(".") + 1)}
