@@ -99,6 +99,9 @@ def _updates_state(gm: fx.GraphModule) -> bool:
     return False
 
 
+MEMORY_FORMATS = ("auto", "channels_last", "preserve")
+
+
 def _resolve_mode(mode: str | None, model: nn.Module) -> Mode:
     if mode is None:
         return "training" if model.training else "inference"
@@ -117,6 +120,8 @@ def optimize(
     frontend: str = "auto",
     dynamic_batch: bool = True,
     verify: bool = True,
+    memory_format: str = "auto",
+    keep_channels_last_outputs: bool = False,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -133,13 +138,22 @@ def optimize(
         dynamic_batch: let the captured graph accept other batch sizes (export frontend).
         verify: compare outputs with the original after every pass (dtype-aware
             tolerance); a mismatch raises `VerificationError`.
+        memory_format: ``"auto"`` (channels_last only if it measures faster on the
+            example inputs), ``"channels_last"`` (always, for models with 2-D/3-D convs)
+            or ``"preserve"`` (keep the model's layout).
+        keep_channels_last_outputs: leave 4-D outputs in channels_last instead of
+            converting them back to the contiguous layout the model returned.
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
     """
     check_model(model)
     resolved_mode = _resolve_mode(mode, model)
-    infos = resolve_passes(resolved_mode, passes, disable)
+    if memory_format not in MEMORY_FORMATS:
+        raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
+    if memory_format == "preserve" and passes is not None and "to_channels_last" in passes:
+        raise InvalidOptionError("passes= asks for to_channels_last but memory_format='preserve' forbids it: drop one of them")
+    infos = resolve_passes(resolved_mode, passes, [*disable, "to_channels_last"] if memory_format == "preserve" else disable)
     check_frontend(frontend)  # before the costly steps below
     args = check_inputs(model, example_inputs)
     try:
@@ -162,8 +176,13 @@ def optimize(
         tolerance=_output_tolerance(reference.outputs),
         capture_seconds=captured.seconds,
     )
-    context = PassContext(mode=resolved_mode, example_inputs=args)
-    report.passes = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
+    context = PassContext(
+        mode=resolved_mode,
+        example_inputs=args,
+        keep_channels_last_outputs=keep_channels_last_outputs,
+        measure=memory_format == "auto",
+    )
+    gm, report.passes = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
     return OptimizedModule(gm, report)
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.api import OptimizedModule, optimize
-from graphopt.bench import median_latencies
+from graphopt.api import MEMORY_FORMATS, OptimizedModule, optimize
+from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
 from graphopt.models import REFERENCE_MODELS, get_reference_model
@@ -110,6 +110,8 @@ def _command_optimize(args: argparse.Namespace) -> int:
         disable=_split_names(args.disable) or (),
         frontend=args.frontend,
         verify=not args.no_verify,
+        memory_format=args.memory_format,
+        keep_channels_last_outputs=args.keep_channels_last_outputs,
     )
     print(optimized.graphopt_report)
     if args.report:
@@ -162,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--passes", metavar="A,B", help="run exactly these passes, in order")
     run.add_argument("--disable", metavar="A,B", help="leave these passes out")
     run.add_argument("--no-verify", action="store_true", help="skip the numeric check after each pass")
+    run.add_argument(
+        "--memory-format",
+        choices=MEMORY_FORMATS,
+        default="auto",
+        help="channels_last for convs: auto (if it measures faster), channels_last, preserve",
+    )
+    run.add_argument("--keep-channels-last-outputs", action="store_true", help="leave 4-D outputs in channels_last")
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.set_defaults(handler=_command_optimize)

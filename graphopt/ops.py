@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
+from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
@@ -517,3 +518,57 @@ class ParameterUsage:
 
     def is_shared(self, tensor: torch.Tensor) -> bool:
         return len(self._names.get(id(tensor), [])) > 1
+
+
+# --------------------------------------------------------------------------- layout
+
+
+_RESHAPE_METHODS = {"view", "reshape", "flatten", "view_as", "reshape_as"}
+_RESHAPE_TARGETS = {
+    torch.flatten,
+    torch.reshape,
+    aten.view.default,
+    aten.reshape.default,
+    aten.flatten.using_ints,
+    aten._unsafe_view.default,
+    aten.view_as.default,
+    aten.reshape_as.default,
+}
+_PERMUTE_METHODS = {"permute", "transpose", "movedim", "t"}
+_PERMUTE_TARGETS = {torch.permute, torch.transpose, torch.movedim, aten.permute.default, aten.transpose.int, aten.movedim.int}
+
+
+def _matches(gm: nn.Module, node: fx.Node, methods: set[str], targets: set[Any], modules: tuple[type, ...] = ()) -> bool:
+    if node.op == "call_method":
+        return node.target in methods
+    if node.op == "call_function":
+        return node.target in targets
+    if node.op == "call_module" and modules:
+        return isinstance(gm.get_submodule(str(node.target)), modules)
+    return False
+
+
+def is_reshape(gm: nn.Module, node: fx.Node) -> bool:
+    """view/reshape/flatten in any form: they read their input in row-major (NCHW) order."""
+    return _matches(gm, node, _RESHAPE_METHODS, _RESHAPE_TARGETS, (nn.Flatten,))
+
+
+def is_permute(gm: nn.Module, node: fx.Node) -> bool:
+    """permute/transpose/movedim in any form: they change which dimension is which, not the data."""
+    return _matches(gm, node, _PERMUTE_METHODS, _PERMUTE_TARGETS)
+
+
+def layout_of(value: Any) -> str | None:
+    """Memory layout of a 4-D/5-D tensor: "channels_last", "contiguous", "any" (both, e.g. N,C,1,1) or "strided"."""
+    if not isinstance(value, torch.Tensor) or value.dim() not in (4, 5):
+        return None
+    channels_last = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
+    contiguous, last = value.is_contiguous(), value.is_contiguous(memory_format=channels_last)
+    if contiguous and last:
+        return "any"
+    return "channels_last" if last else "contiguous" if contiguous else "strided"
+
+
+def interpreter_inputs(gm: fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The values of ``gm``'s placeholders for ``gm(*args)``: a torch.export module flattens its inputs."""
+    return tuple(pytree.tree_leaves(args)) if getattr(gm, "_in_spec", None) is not None else args

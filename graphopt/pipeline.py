@@ -8,6 +8,7 @@ raises `VerificationError` naming the pass, the error, the output and the rewrit
 
 from __future__ import annotations
 
+import copy
 import difflib
 import time
 from collections.abc import Iterable, Sequence
@@ -19,12 +20,15 @@ from graphopt import verify
 from graphopt.errors import GraphoptError, PassModeError, UnknownPassError, VerificationError
 from graphopt.passes import REGISTRY, Mode, PassContext, PassInfo, PassResult
 from graphopt.report import NodeChange, PassReport
+from graphopt.timing import compare_latency
 
 PRESETS: dict[Mode, tuple[str, ...]] = {
-    # dropout first so BatchNorms behind a removed identity are seen by the folding pass
-    "inference": ("remove_dropout", "fold_conv_bn"),
-    "training": ("drop_conv_bias",),
+    # dropout first so BatchNorms behind a removed identity are seen by the folding pass;
+    # layout last, on the final set of convs
+    "inference": ("remove_dropout", "fold_conv_bn", "to_channels_last"),
+    "training": ("drop_conv_bias", "to_channels_last"),
 }
+MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
 __all__ = ["PRESETS", "PassContext", "PassResult", "list_passes", "resolve_passes", "run_passes"]
 
@@ -66,49 +70,74 @@ def _node_changes(nodes: Iterable[fx.Node]) -> list[NodeChange]:
     return [NodeChange.of(node) for node in nodes]
 
 
+def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> tuple[float, str]:
+    """How many times faster ``after`` runs than ``before`` on the example inputs (forward only), and the figures."""
+    with verify.isolated(before), verify.isolated(after):
+        before_s, after_s = compare_latency(lambda: before(*ctx.example_inputs), lambda: after(*ctx.example_inputs))
+    gain = before_s / after_s
+    return gain, f"measured on the example inputs: {before_s * 1e3:.2f} ms without, {after_s * 1e3:.2f} ms with ({gain:.2f}x)"
+
+
+def _verify(info: PassInfo, gm: fx.GraphModule, ctx: PassContext, expected: Any, report: PassReport) -> float:
+    """The graph's error after ``info`` ran; raises `VerificationError` naming the pass when it is too large."""
+    comparison = verify.compare(expected, verify.run_isolated(gm, ctx.example_inputs))
+    if not comparison.ok:
+        rewrites = "; ".join(f"{r.where}: {r.detail}" for r in report.rewrites[:10]) or "none recorded"
+        raise VerificationError(
+            f"pass {info.name!r} changed {comparison.where} by {comparison.max_error:.3e} relative to the "
+            f"output's scale (tolerance {comparison.tolerance:.0e}; {comparison.detail}). Its rewrites: "
+            f"{rewrites}. Your model is unchanged; run optimize(..., disable=[{info.name!r}]) to skip this "
+            "pass, and please report the model.",
+            pass_name=info.name,
+            max_error=comparison.max_error,
+        )
+    return comparison.max_error
+
+
 def run_passes(
     gm: fx.GraphModule,
     infos: Sequence[PassInfo],
     ctx: PassContext,
     expected: Any | None,
     capture_error: float = 0.0,
-) -> list[PassReport]:
-    """Run ``infos`` in order on ``gm`` (in place); verify against ``expected`` unless it is None.
+) -> tuple[fx.GraphModule, list[PassReport]]:
+    """Run ``infos`` in order on ``gm``; verify against ``expected`` unless it is None.
 
     ``capture_error`` is the captured graph's error, carried by passes that change nothing.
+    With ``ctx.measure``, a `measured` pass that does not make the graph faster is undone.
+    Returns the optimized graph module (``gm`` itself unless a pass was undone) and the reports.
     """
     reports = []
     error = capture_error
     for info in infos:
         before = list(gm.graph.nodes)
         before_changes = {node: NodeChange.of(node) for node in before}
+        snapshot = copy.deepcopy(gm) if info.measured and ctx.measure else None
         started = time.perf_counter()
         result = info.function(gm, ctx)
-        seconds = time.perf_counter() - started
+        report = result.report
+        report.seconds = time.perf_counter() - started
         gm = result.graph_module
         try:
             gm.graph.lint()
-        except Exception as error:  # a malformed graph is a graphopt bug: say which pass made it
-            raise GraphoptError(f"pass {info.name!r} produced an invalid graph ({error}); please report this") from error
-        report = result.report
-        report.seconds = seconds
+        except Exception as lint_error:  # a malformed graph is a graphopt bug: say which pass made it
+            raise GraphoptError(f"pass {info.name!r} produced an invalid graph ({lint_error}); please report this") from lint_error
         after = set(gm.graph.nodes)
         report.created = _node_changes(node for node in gm.graph.nodes if node not in before_changes)
         report.erased = [before_changes[node] for node in before if node not in after]
         if expected is not None and result.modified:
-            comparison = verify.compare(expected, verify.run_isolated(gm, ctx.example_inputs))
-            report.max_error = error = comparison.max_error
-            if not comparison.ok:
-                rewrites = "; ".join(f"{r.where}: {r.detail}" for r in report.rewrites[:10]) or "none recorded"
-                raise VerificationError(
-                    f"pass {info.name!r} changed {comparison.where} by {comparison.max_error:.3e} relative to the "
-                    f"output's scale (tolerance {comparison.tolerance:.0e}; {comparison.detail}). Its rewrites: "
-                    f"{rewrites}. Your model is unchanged; run optimize(..., disable=[{info.name!r}]) to skip this "
-                    "pass, and please report the model.",
-                    pass_name=info.name,
-                    max_error=comparison.max_error,
-                )
+            report.max_error = _verify(info, gm, ctx, expected, report)
         elif expected is not None:
             report.max_error = error
+        if snapshot is not None and result.modified:
+            gain, figures = _measure(snapshot, gm, ctx)
+            if gain < MIN_MEASURED_GAIN:
+                gm = snapshot
+                undone = PassReport(info.name, seconds=report.seconds, max_error=error if expected is not None else None)
+                undone.notes.append(f"{figures}: undone (a measured pass must be {MIN_MEASURED_GAIN:.2f}x faster to stay)")
+                report = undone
+            else:
+                report.notes.append(f"{figures}: kept")
+        error = report.max_error if report.max_error is not None else error
         reports.append(report)
-    return reports
+    return gm, reports

@@ -75,6 +75,7 @@ class PassReport:
     skips: list[Skip] = field(default_factory=list)
     created: list[NodeChange] = field(default_factory=list)
     erased: list[NodeChange] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # summaries and decisions, e.g. conversion counts
     modified: bool = False
     max_error: float | None = None  # error vs the original model after this pass (None: not verified)
     seconds: float = 0.0
@@ -151,6 +152,7 @@ class Report:
         lines = [self._header(), *self.notes, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         for p, row in zip(self.passes, rows):
             lines.append(fmt.format(*row))
+            lines += [f"    {note}" for note in p.notes]
             lines += [f"    skipped {s.where}: {s.reason}" for s in p.skips]
         if not self.passes:
             lines.append("(no passes ran)")
@@ -162,6 +164,7 @@ class Report:
         body = []
         for p, row in zip(self.passes, self._rows()):
             body.append("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>")
+            body += [f'<tr><td colspan="6">{esc(note)}</td></tr>' for note in p.notes]
             if p.skips:
                 items = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in p.skips)
                 body.append(f'<tr><td colspan="6"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')

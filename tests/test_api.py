@@ -171,7 +171,9 @@ def test_passes_and_disable_choose_what_runs() -> None:
     only = graphopt.optimize(model, inputs, passes=["fold_conv_bn"]).graphopt_report
     assert [p.name for p in only.passes] == ["fold_conv_bn"]
     without = graphopt.optimize(model, inputs, disable=["fold_conv_bn"]).graphopt_report
-    assert [p.name for p in without.passes] == ["remove_dropout"]
+    assert [p.name for p in without.passes] == ["remove_dropout", "to_channels_last"]
+    preserved = graphopt.optimize(model, inputs, memory_format="preserve").graphopt_report
+    assert [p.name for p in preserved.passes] == ["remove_dropout", "fold_conv_bn"]
     exact_in_inference = graphopt.optimize(model, inputs, passes=["drop_conv_bias"]).graphopt_report
     assert len(exact_in_inference["drop_conv_bias"].rewrites) == 5
 

@@ -13,6 +13,7 @@ from graphopt.passes.base import MODES, Mode, PassContext, PassFunction, PassRes
 from graphopt.passes.drop_conv_bias import drop_conv_bias
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.passes.remove_dropout import remove_dropout
+from graphopt.passes.to_channels_last import to_channels_last
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class PassInfo:
     modes: tuple[Mode, ...]
     description: str
     exact: bool = True
+    measured: bool = False  # its benefit depends on model and hardware: kept only if measured faster when asked
 
 
 REGISTRY: dict[str, PassInfo] = {
@@ -32,6 +34,13 @@ REGISTRY: dict[str, PassInfo] = {
         PassInfo("remove_dropout", remove_dropout, ("inference",), "remove dropout and identity ops that do nothing at inference"),
         PassInfo("fold_conv_bn", fold_conv_bn, ("inference",), "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear"),
         PassInfo("drop_conv_bias", drop_conv_bias, ("training", "inference"), "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)"),
+        PassInfo(
+            "to_channels_last",
+            to_channels_last,
+            ("inference", "training"),
+            "run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it",
+            measured=True,
+        ),
     )
 }
 

@@ -27,6 +27,8 @@ class PassContext:
 
     mode: Mode = "inference"
     example_inputs: tuple[Any, ...] = field(default_factory=tuple)
+    keep_channels_last_outputs: bool = False  # to_channels_last: leave 4-D outputs in channels_last
+    measure: bool = False  # keep a `measured` pass only if the graph runs faster with it
 
 
 class PassResult(NamedTuple):

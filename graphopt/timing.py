@@ -1,4 +1,4 @@
-"""Interleaved latency measurement.
+"""Latency measurement: interleaved rounds, medians, ratios.
 
 Variants run in rounds (A B C A B C ...) after a warm-up, so slow drift and other load
 on the machine affect all of them alike; each variant's latency is the median of its
@@ -29,3 +29,22 @@ def median_latencies(
             run()
             samples[name].append(time.perf_counter() - started)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def compare_latency(
+    baseline: Callable[[], Any],
+    candidate: Callable[[], Any],
+    budget_s: float = 2.0,
+    max_rounds: int = 15,
+) -> tuple[float, float]:
+    """Median seconds of ``baseline`` and ``candidate``, interleaved, within about ``budget_s``.
+
+    One warm-up call each sizes the number of rounds (at least 3) to the budget.
+    """
+    started = time.perf_counter()
+    baseline()
+    candidate()
+    per_round = max(time.perf_counter() - started, 1e-6)
+    rounds = max(3, min(max_rounds, int(budget_s / per_round)))
+    latencies = median_latencies({"baseline": baseline, "candidate": candidate}, rounds=rounds, warmup=0)
+    return latencies["baseline"], latencies["candidate"]

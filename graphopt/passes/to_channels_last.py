@@ -1,0 +1,171 @@
+"""to_channels_last: run convolutions in channels_last (NHWC) with as few layout conversions as possible.
+
+oneDNN and cuDNN pick faster convolution kernels for channels_last tensors, and PyTorch
+keeps that layout through layout-agnostic ops (pointwise ops, BatchNorm, pooling,
+padding, concatenation, residual adds, interpolation). The pass:
+
+1. converts the weights of 2-D (and 3-D: ``channels_last_3d``) convolutions once, at
+   optimize time, to the strides their gradients will have (``param.data`` is replaced,
+   as ``Module.to(memory_format=...)`` does, so tied parameters stay tied);
+2. runs the graph on the example inputs, following the real layout of every value, and
+   inserts ``x.contiguous(memory_format=channels_last)`` only where a conv would
+   receive another layout (typically once, on the graph input);
+3. inserts ``x.contiguous()`` only before ops that need the NCHW order: ``view``,
+   ``reshape`` and ``flatten`` over channel and spatial dims (``view`` would fail,
+   the others copy silently), and before each output that would otherwise leave the
+   model in channels_last (unless ``keep_channels_last_outputs``).
+
+A ``(N, C, 1, 1)`` tensor is both contiguous and channels_last, so the usual
+pool -> flatten -> linear head needs no conversion: a ResNet needs one conversion in
+and none out. The report counts the conversions and lists the 4-D/5-D ops left in
+NCHW with the reason. Whether channels_last pays depends on the model and the
+hardware: with ``memory_format="auto"`` the pipeline keeps this pass only if the
+rewritten graph measures faster on the example inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils import _pytree as pytree
+
+from graphopt import verify
+from graphopt.ops import interpreter_inputs, is_permute, is_reshape, layout_of, weighted_op_view
+from graphopt.passes.base import PassContext, PassResult, finish
+from graphopt.report import PassReport, describe
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+CONVERSION = "graphopt_layout_conversion"  # node.meta key marking the conversions this pass inserts
+
+
+class _LayoutPlanner(fx.Interpreter):
+    """Runs the graph, records each value's layout, and plans the conversions convs and reshapes need.
+
+    A planned conversion is simulated for the consuming op only, exactly as the rewrite
+    will feed it, so one run sees the layouts of the rewritten graph.
+    """
+
+    def __init__(self, gm: fx.GraphModule, conv_ranks: dict[fx.Node, int]) -> None:
+        super().__init__(gm)
+        self.conv_ranks = conv_ranks
+        self.to_channels_last: dict[fx.Node, list[fx.Node]] = {}  # value -> convs reading it
+        self.to_contiguous: dict[fx.Node, list[fx.Node]] = {}  # value -> reshapes reading it
+
+    def run_node(self, n: fx.Node) -> Any:
+        source = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        value = self.env.get(source) if source is not None else None
+        converted = None
+        if isinstance(value, torch.Tensor) and value.dim() in _CHANNELS_LAST:
+            if n in self.conv_ranks and value.dim() == self.conv_ranks[n] and layout_of(value) not in ("channels_last", "any"):
+                converted = value.contiguous(memory_format=_CHANNELS_LAST[value.dim()])
+                self.to_channels_last.setdefault(source, []).append(n)
+            elif is_reshape(self.module, n) and not value.is_contiguous():
+                converted = value.contiguous()
+                self.to_contiguous.setdefault(source, []).append(n)
+        if converted is not None:
+            assert source is not None
+            self.env[source] = converted
+        try:
+            result = super().run_node(n)
+        finally:
+            if converted is not None:
+                self.env[source] = value
+        if isinstance(result, torch.Tensor):
+            n.meta["tensor_meta"] = _extract_tensor_metadata(result)
+            n.meta["graphopt_layout"] = layout_of(result)
+        return result
+
+
+def _plan(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int]) -> _LayoutPlanner:
+    planner = _LayoutPlanner(gm, conv_ranks)
+    with verify.isolated(gm):
+        planner.run(*interpreter_inputs(gm, args))
+    return planner
+
+
+def _insert_conversion(gm: fx.GraphModule, value: fx.Node, users: list[fx.Node], memory_format: torch.memory_format | None) -> fx.Node:
+    """``value.contiguous(memory_format=...)`` right after ``value``, read by ``users`` instead of it."""
+    kwargs = {"memory_format": memory_format} if memory_format is not None else {}
+    with gm.graph.inserting_after(value):
+        conversion = gm.graph.call_method("contiguous", (value,), kwargs)
+    conversion.meta.update(value.meta)
+    conversion.meta[CONVERSION] = True
+    for user in users:
+        user.replace_input_with(value, conversion)
+    return conversion
+
+
+def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it."""
+    report = PassReport("to_channels_last")
+    conv_ranks: dict[fx.Node, int] = {}
+    converted_weights: set[int] = set()
+    for node in gm.graph.nodes:
+        conv = weighted_op_view(gm, node)
+        if conv is None or conv.spatial_dims not in (2, 3):
+            continue
+        conv_ranks[node] = conv.spatial_dims + 2
+        if conv.weight is None:
+            report.skip(node, "weight computed in the graph: converted on every call, not once")
+        elif id(conv.weight) not in converted_weights:
+            converted_weights.add(id(conv.weight))
+            # clone, not contiguous(): a 1x1 kernel is already "channels_last" with NCHW strides,
+            # but its gradients come back with channels_last strides, and DDP warns on the mismatch
+            conv.weight.data = conv.weight.data.clone(memory_format=_CHANNELS_LAST[conv.weight.dim()])
+    if not conv_ranks:
+        report.notes.append("no 2-D or 3-D convolutions: nothing to gain from channels_last")
+        return finish(gm, False, report)
+    report.notes.append(f"{len(converted_weights)} conv weights stored in channels_last")
+
+    planner = _plan(gm, ctx.example_inputs, conv_ranks)
+    for value, users in planner.to_channels_last.items():
+        _insert_conversion(gm, value, users, _CHANNELS_LAST[conv_ranks[users[0]]])
+        report.rewrite(value, f"to channels_last for {', '.join(describe(u) for u in users)}")
+    for value, users in planner.to_contiguous.items():
+        _insert_conversion(gm, value, users, None)
+        report.rewrite(value, f"back to contiguous for {', '.join(describe(u) for u in users)} (needs NCHW order)")
+    outputs_converted = 0 if ctx.keep_channels_last_outputs else _restore_output_layouts(gm, ctx.example_inputs, conv_ranks, report)
+    report.notes.append(
+        f"layout conversions: {len(planner.to_channels_last)} to channels_last, "
+        f"{len(planner.to_contiguous)} back to contiguous inside, {outputs_converted} on outputs"
+    )
+    _report_nchw_ops(gm, ctx.example_inputs, conv_ranks, report)
+    return finish(gm, True, report)
+
+
+def _restore_output_layouts(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int], report: PassReport) -> int:
+    """Give channels_last outputs back their contiguous layout; return how many needed it."""
+    _plan(gm, args, conv_ranks)
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    leaves = [leaf for leaf in pytree.tree_leaves(output.args) if isinstance(leaf, fx.Node)]
+    converted = 0
+    for leaf in dict.fromkeys(leaves):
+        if leaf.meta.get("graphopt_layout") == "channels_last":
+            _insert_conversion(gm, leaf, [output], None)
+            report.rewrite(leaf, "back to contiguous for the model's output")
+            converted += 1
+    return converted
+
+
+def _report_nchw_ops(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int], report: PassReport) -> None:
+    """Record the ops of the rewritten graph that leave channels_last, and why.
+
+    Permutes are not listed: a permuted channels_last tensor is a contiguous NHWC one
+    (ConvNeXt's LayerNorm runs on it without a copy).
+    """
+    _plan(gm, args, conv_ranks)
+    for node in gm.graph.nodes:
+        if node.meta.get(CONVERSION) or node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        input_layouts = {arg.meta.get("graphopt_layout") for arg in node.all_input_nodes}
+        if node in conv_ranks and input_layouts.isdisjoint({"channels_last", "any"}):
+            report.skip(node, "conv input is not channels_last")
+        elif (
+            node.meta.get("graphopt_layout") in ("contiguous", "strided")
+            and "channels_last" in input_layouts
+            and not is_permute(gm, node)
+        ):
+            report.skip(node, "returns NCHW from a channels_last input (mixed layouts, or no NHWC kernel): a silent copy")
