@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo bench-layout clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/graphopt demo
+
+# Eager NCHW vs channels_last vs graphopt on the reference models (run on a quiet machine).
+bench-layout: $(STAMP)
+	$(PY) -m graphopt.bench.layout
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
