@@ -9,7 +9,9 @@ padding, concatenation, residual adds, interpolation). The pass:
    as ``Module.to(memory_format=...)`` does, so tied parameters stay tied);
 2. runs the graph on the example inputs, following the real layout of every value, and
    inserts ``x.contiguous(memory_format=channels_last)`` only where a conv would
-   receive another layout (typically once, on the graph input);
+   receive another layout (typically once, on the graph input); the value's other
+   readers (a residual add of the input, say) take the converted value too, except
+   reshapes and outputs;
 3. inserts ``x.contiguous()`` only before ops that need the NCHW order: ``view``,
    ``reshape`` and ``flatten`` over channel and spatial dims (``view`` would fail,
    the others copy silently), and before each output that would otherwise leave the
@@ -120,17 +122,26 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return finish(gm, False, report)
     report.notes.append(f"{len(converted_weights)} conv weights stored in channels_last")
 
-    planner = _plan(gm, ctx.example_inputs, conv_ranks)
-    for value, users in planner.to_channels_last.items():
-        _insert_conversion(gm, value, users, _CHANNELS_LAST[conv_ranks[users[0]]])
-        report.rewrite(value, f"to channels_last for {', '.join(describe(u) for u in users)}")
-    for value, users in planner.to_contiguous.items():
-        _insert_conversion(gm, value, users, None)
-        report.rewrite(value, f"back to contiguous for {', '.join(describe(u) for u in users)} (needs NCHW order)")
+    to_channels_last = to_contiguous = 0
+    for _ in range(len(conv_ranks) + 1):  # every round settles at least one value; the last finds nothing
+        planner = _plan(gm, ctx.example_inputs, conv_ranks)
+        if not planner.to_channels_last and not planner.to_contiguous:
+            break
+        for value, convs in planner.to_channels_last.items():
+            # every reader but reshapes and outputs takes the converted value, so layout-agnostic
+            # ops beside the conv (a residual add of the input) stay in channels_last too
+            readers = [u for u in value.users if u.op != "output" and not is_reshape(gm, u) and not u.meta.get(CONVERSION)]
+            _insert_conversion(gm, value, readers, _CHANNELS_LAST[conv_ranks[convs[0]]])
+            report.rewrite(value, f"to channels_last for {', '.join(describe(u) for u in readers)}")
+            to_channels_last += 1
+        for value, reshapes in planner.to_contiguous.items():
+            _insert_conversion(gm, value, reshapes, None)
+            report.rewrite(value, f"back to contiguous for {', '.join(describe(u) for u in reshapes)} (needs NCHW order)")
+            to_contiguous += 1
     outputs_converted = 0 if ctx.keep_channels_last_outputs else _restore_output_layouts(gm, ctx.example_inputs, conv_ranks, report)
     report.notes.append(
-        f"layout conversions: {len(planner.to_channels_last)} to channels_last, "
-        f"{len(planner.to_contiguous)} back to contiguous inside, {outputs_converted} on outputs"
+        f"layout conversions: {to_channels_last} to channels_last, "
+        f"{to_contiguous} back to contiguous inside, {outputs_converted} on outputs"
     )
     _report_nchw_ops(gm, ctx.example_inputs, conv_ranks, report)
     return finish(gm, True, report)

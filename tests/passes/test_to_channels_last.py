@@ -175,17 +175,41 @@ def test_guard_weight_computed_in_the_graph() -> None:
     assert relative_error(model(*inputs), gm(*inputs)) < 1e-5
 
 
+class InputResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mixed = x + y
+        # without the shared conversion this add would be NCHW + channels_last -> NCHW (its first operand's)
+        return mixed + self.conv(mixed).relu()
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_other_readers_of_a_converted_value_share_the_conversion(frontend: str) -> None:
+    inputs = (torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 6))
+    model = InputResidual()
+    gm = captured(model, inputs, frontend)
+    report = to_channels_last(gm, context(inputs)).report
+    assert conversion_counts(report) == "layout conversions: 1 to channels_last, 0 back to contiguous inside, 1 on outputs"
+    assert report.skips == []
+    output_conversion = next(n for n in conversions(gm) if any(u.op == "output" for u in n.users))
+    assert output_conversion.args[0].meta["graphopt_layout"] == "channels_last"  # the final add
+    assert relative_error(model(*inputs), gm(*inputs)) < 1e-5
+
+
 def test_mixed_layouts_are_reported() -> None:
-    class InputResidual(nn.Module):
+    class SecondInput(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.conv = nn.Conv2d(3, 3, 3, padding=1)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.conv(x)  # NCHW + channels_last: the add follows its first operand
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return y + self.conv(x)  # y never meets a conv: it stays NCHW, and so does the add
 
-    inputs = (torch.randn(2, 3, 6, 6),)
-    model = InputResidual()
+    inputs = (torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 6))
+    model = SecondInput()
     gm = captured(model, inputs, "fx")
     report = to_channels_last(gm, context(inputs)).report
     assert [skip.where for skip in report.skips] == ["add"]
