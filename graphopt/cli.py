@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path

@@ -150,7 +150,7 @@ class Report:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [self._header(), *self.notes, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-        for p, row in zip(self.passes, rows):
+        for p, row in zip(self.passes, rows, strict=True):
             lines.append(fmt.format(*row))
             lines += [f"    {note}" for note in p.notes]
             lines += [f"    skipped {s.where}: {s.reason}" for s in p.skips]
@@ -162,7 +162,7 @@ class Report:
         esc = html.escape
         head = "".join(f"<th>{h}</th>" for h in ("pass", "rewrites", "skips", "nodes -/+", "max error", "time"))
         body = []
-        for p, row in zip(self.passes, self._rows()):
+        for p, row in zip(self.passes, self._rows(), strict=True):
             body.append("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>")
             body += [f'<tr><td colspan="6">{esc(note)}</td></tr>' for note in p.notes]
             if p.skips:

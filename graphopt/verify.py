@@ -141,7 +141,7 @@ def compare(expected: Any, actual: Any) -> Comparison:
         return Comparison(float("inf"), 0.0, "output", f"output structure changed: {actual_spec} instead of {expected_spec}")
     worst = Comparison(0.0, 0.0, "output")
     worst_ratio = -1.0
-    for (path, exp_leaf), (_, act_leaf) in zip(expected_leaves, actual_leaves):
+    for (path, exp_leaf), (_, act_leaf) in zip(expected_leaves, actual_leaves, strict=True):
         error, tolerance, detail = _leaf_error(exp_leaf, act_leaf)
         ratio = error / tolerance if tolerance else (0.0 if error == 0 else float("inf"))
         if ratio > worst_ratio:

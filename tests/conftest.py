@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -74,3 +75,18 @@ class ShapeBranch(nn.Module):
         if y.shape[-1] > 2:
             y = torch.relu(y)
         return y
+
+
+def assert_trains_like(model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...]) -> None:
+    """Forward (same dropout masks) and the gradient of every parameter ``optimized`` kept match a copy of ``model``."""
+    reference = copy.deepcopy(model)
+    torch.manual_seed(3)
+    expected = reference(*inputs)
+    torch.manual_seed(3)
+    actual = optimized(*inputs)
+    assert relative_error(expected, actual) < 1e-5
+    expected.square().mean().backward()
+    actual.square().mean().backward()
+    reference_grads = dict(reference.named_parameters())
+    for name, parameter in optimized.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, rtol=1e-3, atol=1e-5)

@@ -13,7 +13,7 @@ import graphopt
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import batch_norm_view, dropout_view
 from tests.test_capture import CountsCalls
-from tests.conftest import FRONTENDS, ConvOutputReused, ShapeBranch, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, assert_trains_like, ConvOutputReused, ShapeBranch, randomize_batch_norms, relative_error
 
 
 def resnet(seed: int = 0) -> nn.Module:
@@ -115,17 +115,7 @@ def test_training_acceptance(frontend: str) -> None:
     assert dropped == {"stem_conv.bias", "layer1.conv1.bias", "layer2.conv1.bias", "layer3.conv1.bias", "layer4.conv1.bias"}
     assert set(optimized.state_dict()) <= set(model.state_dict())
 
-    reference = copy.deepcopy(model)
-    torch.manual_seed(3)
-    expected = reference(*inputs)
-    torch.manual_seed(3)  # same dropout masks
-    actual = optimized(*inputs)
-    assert relative_error(expected, actual) < 1e-5
-    expected.square().mean().backward()
-    actual.square().mean().backward()
-    reference_grads = dict(reference.named_parameters())
-    for name, parameter in optimized.named_parameters():
-        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, rtol=1e-3, atol=1e-5)
+    assert_trains_like(model, optimized, inputs)
 
 
 def test_training_module_trains_and_switches_to_eval_with_fx() -> None:

@@ -9,8 +9,8 @@ rejected candidate with its reason in a `PassReport`, and calls `finish` once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import Any, Callable, Literal, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, NamedTuple
 
 import torch.fx as fx
 

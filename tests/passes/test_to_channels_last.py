@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from graphopt import pipeline
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import interpreter_inputs, weighted_op_view
 from graphopt.passes.to_channels_last import CONVERSION, to_channels_last
-from tests.conftest import FRONTENDS, captured, context, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, assert_trains_like, captured, context, randomize_batch_norms, relative_error
 
 CL = torch.channels_last
 REPO = Path(__file__).resolve().parents[2]
@@ -222,17 +221,7 @@ def test_training_gradients_match_and_parameters_stay_channels_last(frontend: st
     model = REFERENCE_MODELS["resnet"].build().train()
     inputs = (torch.randn(4, 3, 32, 32),)
     optimized = graphopt.optimize(model, inputs, frontend=frontend, memory_format="channels_last")
-    reference = copy.deepcopy(model)
-    torch.manual_seed(1)
-    expected = reference(*inputs)
-    torch.manual_seed(1)
-    actual = optimized(*inputs)
-    assert relative_error(expected, actual) < 1e-5
-    expected.square().mean().backward()
-    actual.square().mean().backward()
-    reference_grads = dict(reference.named_parameters())
-    for name, parameter in optimized.named_parameters():
-        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, rtol=1e-3, atol=1e-5)
+    assert_trains_like(model, optimized, inputs)
     torch.optim.SGD(optimized.parameters(), lr=0.1, momentum=0.9).step()
     conv_weights = [p for p in optimized.parameters() if p.dim() == 4]
     assert conv_weights and all(p.is_contiguous(memory_format=CL) for p in conv_weights)
