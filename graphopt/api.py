@@ -18,7 +18,9 @@ import torch.nn as nn
 
 from graphopt.capture import capture_graph, check_frontend
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError
-from graphopt.passes import MODES, Mode, PassContext
+from graphopt.ops import PRECISION_FAMILY_NAMES
+from graphopt.passes import MODES, REGISTRY, Mode, PassContext
+from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.pipeline import resolve_passes, run_passes
 from graphopt.report import Report
 from graphopt.validate import check_inputs, check_model, reference_run
@@ -84,6 +86,10 @@ class OptimizedModule(nn.Module):
             )
         return super().train(mode)
 
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 values of the weights stored in low precision for inference (empty otherwise), by name."""
+        return dict(self.graph_module.meta.get("graphopt_fp32_weights", {}))
+
     def extra_repr(self) -> str:
         return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"
 
@@ -122,6 +128,9 @@ def optimize(
     verify: bool = True,
     memory_format: str = "auto",
     keep_channels_last_outputs: bool = False,
+    precision: str = "fp32",
+    low_precision_ops: Iterable[str] | None = None,
+    fp32_ops: Iterable[str] | None = None,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -143,6 +152,11 @@ def optimize(
             or ``"preserve"`` (keep the model's layout).
         keep_channels_last_outputs: leave 4-D outputs in channels_last instead of
             converting them back to the contiguous layout the model returned.
+        precision: ``"fp32"`` (no change), ``"bf16"`` or ``"fp16"``: run conv, linear,
+            matmul and attention in that dtype, sensitive ops in fp32 (opt-in: it changes
+            numerics, verified with the low dtype's tolerance).
+        low_precision_ops, fp32_ops: override the op families of the precision policy
+            (names: see ``graphopt.passes.use_low_precision``).
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
@@ -153,7 +167,18 @@ def optimize(
         raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
     if memory_format == "preserve" and passes is not None and "to_channels_last" in passes:
         raise InvalidOptionError("passes= asks for to_channels_last but memory_format='preserve' forbids it: drop one of them")
-    infos = resolve_passes(resolved_mode, passes, [*disable, "to_channels_last"] if memory_format == "preserve" else disable)
+    disabled = [*disable, "to_channels_last"] if memory_format == "preserve" else list(disable)
+    low_dtype = check_precision(precision, model)
+    if low_dtype is None:
+        if passes is not None and "use_low_precision" in passes:
+            raise InvalidOptionError("passes= asks for use_low_precision but precision='fp32': pass precision='bf16' or 'fp16'")
+        disabled.append("use_low_precision")
+    low_ops, kept_ops = _precision_policy(low_precision_ops, fp32_ops)
+    infos = resolve_passes(resolved_mode, passes, disabled)
+    if passes is None and low_dtype is not None and "use_low_precision" not in disable:
+        # opt-in: lower precision after the exact rewrites, before the layout is chosen
+        position = next((i for i, info in enumerate(infos) if info.name == "to_channels_last"), len(infos))
+        infos.insert(position, REGISTRY["use_low_precision"])
     check_frontend(frontend)  # before the costly steps below
     args = check_inputs(model, example_inputs)
     try:
@@ -173,7 +198,7 @@ def optimize(
         capture_attempts=captured.attempts,
         notes=captured.notes,
         verified=verify,
-        tolerance=_output_tolerance(reference.outputs),
+        tolerance=_output_tolerance(reference.outputs, low_dtype),
         capture_seconds=captured.seconds,
     )
     context = PassContext(
@@ -181,12 +206,60 @@ def optimize(
         example_inputs=args,
         keep_channels_last_outputs=keep_channels_last_outputs,
         measure=memory_format == "auto",
+        precision=low_dtype,
+        low_precision_ops=low_ops,
+        fp32_ops=kept_ops,
     )
     gm, report.passes = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
     return OptimizedModule(gm, report)
 
 
-def _output_tolerance(expected: Any) -> float | None:
+def _output_tolerance(expected: Any, compute_dtype: torch.dtype | None) -> float | None:
     tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(expected) if isinstance(leaf, torch.Tensor)]
     tolerances = [tolerance_for(t.dtype) for t in tensors if t.is_floating_point()]
+    if compute_dtype is not None:
+        tolerances = [max(t, tolerance_for(compute_dtype)) for t in tolerances]
     return min(tolerances) if tolerances else None
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision(precision: str, model: nn.Module) -> torch.dtype | None:
+    """The low dtype for ``precision`` on the model's device, or an error naming what this device supports."""
+    if precision not in PRECISIONS:
+        raise InvalidOptionError(f"unknown precision {precision!r}: use one of {', '.join(map(repr, PRECISIONS))}")
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return None
+    devices = {t.device.type for t in [*model.parameters(), *model.buffers()]} or {"cpu"}
+    for device in devices:
+        if device == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise InvalidOptionError("precision='bf16' needs a GPU with bfloat16 support (Ampere or newer): use precision='fp16'")
+        if device not in ("cpu", "cuda"):
+            raise InvalidOptionError(f"precision={precision!r} is supported on cpu and cuda, not {device}: use precision='fp32'")
+        if device == "cpu" and not _cpu_runs(dtype):
+            raise InvalidOptionError(f"this CPU has no {precision} convolution/matmul kernels: use precision='bf16' or 'fp32'")
+    return dtype
+
+
+def _cpu_runs(dtype: torch.dtype) -> bool:
+    """Whether a small conv and matmul run in ``dtype`` on this CPU."""
+    try:
+        x = torch.ones(1, 2, 4, 4, dtype=dtype)
+        torch.nn.functional.conv2d(x, torch.ones(2, 2, 1, 1, dtype=dtype))
+        torch.ones(2, 2, dtype=dtype) @ torch.ones(2, 2, dtype=dtype)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _precision_policy(low_precision_ops: Iterable[str] | None, fp32_ops: Iterable[str] | None) -> tuple[frozenset[str], frozenset[str]]:
+    low = DEFAULT_LOW_PRECISION_OPS if low_precision_ops is None else frozenset(low_precision_ops)
+    kept = DEFAULT_FP32_OPS if fp32_ops is None else frozenset(fp32_ops)
+    unknown = sorted((low | kept) - set(PRECISION_FAMILY_NAMES))
+    if unknown:
+        raise InvalidOptionError(f"unknown op families {unknown} in low_precision_ops/fp32_ops: use names from {', '.join(PRECISION_FAMILY_NAMES)}")
+    if low & kept:
+        raise InvalidOptionError(f"op families {sorted(low & kept)} are in both low_precision_ops and fp32_ops: choose one")
+    return low, kept

@@ -15,6 +15,7 @@ compare targets themselves: a new spelling of an op is added here, once.
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -185,6 +186,11 @@ _WEIGHTED_ATEN: dict[Any, tuple[int, bool | None, _Signature]] = {
     aten.convolution.default: (-1, None, _Signature(_CONVOLUTION_NAMES)),
     aten.linear.default: (0, False, _Signature(_LINEAR_NAMES, {"bias": None})),
 }
+_FUNCTION_OF = {
+    (spatial_dims, transposed): function
+    for function, (spatial_dims, transposed, _) in _WEIGHTED_FUNCTIONS.items()
+    if spatial_dims
+}
 _CONV_MODULES: dict[type[nn.Module], tuple[int, bool]] = {
     nn.Conv1d: (1, False),
     nn.Conv2d: (2, False),
@@ -242,6 +248,34 @@ class WeightedOpView:
             with gm.graph.inserting_before(self.node):
                 self.arguments.set("bias", gm.graph.get_attr(self.bias_target))
         self.bias = get_attr(gm, self.bias_target)
+
+    def to_function(self, gm: fx.GraphModule) -> None:
+        """Turn a module call into the functional call it makes, reading the weights through get_attr.
+
+        Module names, parameters and state_dict keys stay; the op's operands become graph
+        values a pass can cast or rewrite. Only for supported (unmodified) modules.
+        """
+        assert self.module is not None and self.unsupported is None
+        module, node = self.module, self.node
+        if self.spatial_dims == 0:
+            function, names, extra = F.linear, _LINEAR_NAMES, ()
+        elif self.transposed:
+            function = _FUNCTION_OF[(self.spatial_dims, True)]
+            names = _CONV_T_NAMES
+            extra = (module.stride, module.padding, module.output_padding, module.groups, module.dilation)
+        else:
+            function = _FUNCTION_OF[(self.spatial_dims, False)]
+            names = _CONV_NAMES
+            extra = (module.stride, module.padding, module.dilation, module.groups)
+        with gm.graph.inserting_before(node):
+            weight = gm.graph.get_attr(f"{node.target}.weight")
+            bias = gm.graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
+            call = gm.graph.call_function(function, (node.args[0], weight, bias, *extra))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        self.node, self.form, self.module = call, "function", None
+        self.arguments = Arguments(call, names, {})
 
     def remove_bias(self, gm: fx.GraphModule) -> None:
         """Drop the bias: the op computes without it and the parameter leaves the module."""
@@ -538,7 +572,7 @@ _PERMUTE_METHODS = {"permute", "transpose", "movedim", "t"}
 _PERMUTE_TARGETS = {torch.permute, torch.transpose, torch.movedim, aten.permute.default, aten.transpose.int, aten.movedim.int}
 
 
-def _matches(gm: nn.Module, node: fx.Node, methods: set[str], targets: set[Any], modules: tuple[type, ...] = ()) -> bool:
+def _matches(gm: nn.Module, node: fx.Node, methods: Collection[str], targets: Collection[Any], modules: tuple[type, ...] = ()) -> bool:
     if node.op == "call_method":
         return node.target in methods
     if node.op == "call_function":
@@ -572,3 +606,63 @@ def layout_of(value: Any) -> str | None:
 def interpreter_inputs(gm: fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The values of ``gm``'s placeholders for ``gm(*args)``: a torch.export module flattens its inputs."""
     return tuple(pytree.tree_leaves(args)) if getattr(gm, "_in_spec", None) is not None else args
+
+
+# --------------------------------------------------------------------------- precision families
+
+
+@dataclass(frozen=True)
+class _Family:
+    methods: frozenset[str] = frozenset()
+    targets: frozenset[Any] = frozenset()
+    modules: tuple[type, ...] = ()
+
+
+def _family(methods: tuple[str, ...] = (), targets: tuple[Any, ...] = (), modules: tuple[type, ...] = ()) -> _Family:
+    return _Family(frozenset(methods), frozenset(targets), modules)
+
+
+_LOSS_FUNCTIONS = (
+    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
+    F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.cosine_embedding_loss,
+)
+_LOSS_ATEN = (
+    aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default, aten.mse_loss.default,
+    aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default, aten.kl_div.default,
+    aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
+)
+
+# Named op families for the precision policy. conv and linear are recognised by weighted_op_view.
+PRECISION_FAMILIES: dict[str, _Family] = {
+    "matmul": _family(("matmul", "mm"), (torch.matmul, operator.matmul, torch.mm, aten.matmul.default, aten.mm.default)),
+    "bmm": _family(("bmm",), (torch.bmm, aten.bmm.default)),
+    "baddbmm": _family(("baddbmm", "addmm", "addbmm"), (torch.baddbmm, torch.addmm, torch.addbmm, aten.baddbmm.default, aten.addmm.default)),
+    "scaled_dot_product_attention": _family(
+        (), (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
+    ),
+    "softmax": _family(("softmax",), (F.softmax, torch.softmax, aten.softmax.int, aten._softmax.default), (nn.Softmax, nn.Softmax2d)),
+    "log_softmax": _family(("log_softmax",), (F.log_softmax, torch.log_softmax, aten.log_softmax.int, aten._log_softmax.default), (nn.LogSoftmax,)),
+    "layer_norm": _family((), (F.layer_norm, aten.layer_norm.default, aten.native_layer_norm.default), (nn.LayerNorm,)),
+    "group_norm": _family((), (F.group_norm, aten.group_norm.default, aten.native_group_norm.default), (nn.GroupNorm,)),
+    "instance_norm": _family((), (F.instance_norm, aten.instance_norm.default), (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)),
+    "exp": _family(("exp",), (torch.exp, aten.exp.default)),
+    "log": _family(("log",), (torch.log, aten.log.default)),
+    "pow": _family(("pow",), (torch.pow, operator.pow, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)),
+    "sum": _family(("sum",), (torch.sum, aten.sum.dim_IntList, aten.sum.default)),
+    "mean": _family(("mean",), (torch.mean, aten.mean.dim, aten.mean.default)),
+    "norm": _family(("norm",), (torch.norm, torch.linalg.vector_norm, aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim)),
+    "cumsum": _family(("cumsum",), (torch.cumsum, aten.cumsum.default)),
+    "loss": _family((), (*_LOSS_FUNCTIONS, *_LOSS_ATEN), (nn.modules.loss._Loss,)),
+}
+PRECISION_FAMILY_NAMES = ("conv", "linear", *PRECISION_FAMILIES)
+
+
+def precision_family(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The precision-policy family of ``node`` ("conv", "linear", "softmax", ...), or None."""
+    weighted = weighted_op_view(gm, node)
+    if weighted is not None:
+        return "linear" if weighted.kind == "linear" else "conv"
+    for name, family in PRECISION_FAMILIES.items():
+        if _matches(gm, node, family.methods, family.targets, family.modules):
+            return name
+    return None

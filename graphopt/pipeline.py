@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from graphopt import verify
@@ -78,9 +79,19 @@ def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) ->
     return gain, f"measured on the example inputs: {before_s * 1e3:.2f} ms without, {after_s * 1e3:.2f} ms with ({gain:.2f}x)"
 
 
-def _verify(info: PassInfo, gm: fx.GraphModule, ctx: PassContext, expected: Any, report: PassReport) -> float:
+def _verify(
+    info: PassInfo, gm: fx.GraphModule, ctx: PassContext, expected: Any, report: PassReport, compute_dtype: torch.dtype | None
+) -> verify.Comparison:
     """The graph's error after ``info`` ran; raises `VerificationError` naming the pass when it is too large."""
-    comparison = verify.compare(expected, verify.run_isolated(gm, ctx.example_inputs))
+    try:
+        actual = verify.run_isolated(gm, ctx.example_inputs)
+    except Exception as error:
+        raise VerificationError(
+            f"pass {info.name!r} produced a graph that fails on the example inputs ({type(error).__name__}: {error}). "
+            f"Your model is unchanged; run optimize(..., disable=[{info.name!r}]) to skip this pass, and please report the model.",
+            pass_name=info.name,
+        ) from error
+    comparison = verify.compare(expected, actual, compute_dtype)
     if not comparison.ok:
         rewrites = "; ".join(f"{r.where}: {r.detail}" for r in report.rewrites[:10]) or "none recorded"
         raise VerificationError(
@@ -91,7 +102,7 @@ def _verify(info: PassInfo, gm: fx.GraphModule, ctx: PassContext, expected: Any,
             pass_name=info.name,
             max_error=comparison.max_error,
         )
-    return comparison.max_error
+    return comparison
 
 
 def run_passes(
@@ -109,6 +120,7 @@ def run_passes(
     """
     reports = []
     error = capture_error
+    compute_dtype = None  # set once a pass lowers precision: later checks use its tolerance
     for info in infos:
         before = list(gm.graph.nodes)
         before_changes = {node: NodeChange.of(node) for node in before}
@@ -125,8 +137,11 @@ def run_passes(
         after = set(gm.graph.nodes)
         report.created = _node_changes(node for node in gm.graph.nodes if node not in before_changes)
         report.erased = [before_changes[node] for node in before if node not in after]
+        if not info.exact and result.modified:
+            compute_dtype = ctx.precision
         if expected is not None and result.modified:
-            report.max_error = _verify(info, gm, ctx, expected, report)
+            comparison = _verify(info, gm, ctx, expected, report, compute_dtype)
+            report.max_error, report.mean_error = comparison.max_error, comparison.mean_error
         elif expected is not None:
             report.max_error = error
         if snapshot is not None and result.modified:

@@ -78,6 +78,7 @@ class PassReport:
     notes: list[str] = field(default_factory=list)  # summaries and decisions, e.g. conversion counts
     modified: bool = False
     max_error: float | None = None  # error vs the original model after this pass (None: not verified)
+    mean_error: float | None = None  # mean error over the worst output, when this pass was verified
     seconds: float = 0.0
 
     def rewrite(self, node: fx.Node, detail: str) -> None:

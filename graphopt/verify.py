@@ -99,42 +99,49 @@ class Comparison:
     tolerance: float
     where: str  # path of the worst output, e.g. "output[0]"
     detail: str = ""
+    mean_error: float = 0.0  # mean |actual - expected| over the worst output, relative to its scale
 
     @property
     def ok(self) -> bool:
         return self.max_error <= self.tolerance
 
 
-def _leaf_error(expected: Any, actual: Any) -> tuple[float, float, str]:
-    """(error, tolerance, detail) for one output leaf."""
+def _leaf_error(expected: Any, actual: Any, tolerance: float) -> tuple[float, float, float, str]:
+    """(max error, mean error, tolerance, detail) for one output leaf."""
+    infinite = float("inf")
     if not isinstance(expected, torch.Tensor):
         same = type(expected) is type(actual) and expected == actual
-        return (0.0 if same else float("inf")), 0.0, "" if same else f"expected {expected!r}, got {actual!r}"
+        return (0.0, 0.0, 0.0, "") if same else (infinite, infinite, 0.0, f"expected {expected!r}, got {actual!r}")
     if not isinstance(actual, torch.Tensor):
-        return float("inf"), 0.0, f"expected a tensor, got {type(actual).__name__}"
+        return infinite, infinite, 0.0, f"expected a tensor, got {type(actual).__name__}"
     if expected.shape != actual.shape:
-        return float("inf"), 0.0, f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}"
-    tolerance = tolerance_for(expected.dtype)
+        return infinite, infinite, 0.0, f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}"
     if not (expected.is_floating_point() or expected.is_complex()):
         same = torch.equal(expected, actual.to(expected.dtype))
-        return (0.0 if same else float("inf")), 0.0, "" if same else "integer outputs differ"
+        return (0.0, 0.0, 0.0, "") if same else (infinite, infinite, 0.0, "integer outputs differ")
     if expected.numel() == 0:
-        return 0.0, tolerance, ""
+        return 0.0, 0.0, tolerance, ""
     expected64, actual64 = expected.detach().double(), actual.detach().double()
     nan_mismatch = torch.isnan(expected64) != torch.isnan(actual64)
     if nan_mismatch.any():
-        return float("inf"), tolerance, "NaN where the original has a number (or the reverse)"
+        return infinite, infinite, tolerance, "NaN where the original has a number (or the reverse)"
     finite = torch.isfinite(expected64)
     if not torch.equal(expected64[~finite].nan_to_num(), actual64[~finite].nan_to_num()):
-        return float("inf"), tolerance, "infinities differ"
+        return infinite, infinite, tolerance, "infinities differ"
     diff = (expected64 - actual64)[finite].abs()
+    if not diff.numel():
+        return 0.0, 0.0, tolerance, ""
     scale = expected64[finite].abs().max().clamp_min(torch.finfo(torch.float64).tiny)
-    error = float(diff.max() / scale) if diff.numel() else 0.0
-    return error, tolerance, f"max abs diff {float(diff.max()) if diff.numel() else 0.0:.3e} at output scale {float(scale):.3e}"
+    detail = f"max abs diff {float(diff.max()):.3e} at output scale {float(scale):.3e}"
+    return float(diff.max() / scale), float(diff.mean() / scale), tolerance, detail
 
 
-def compare(expected: Any, actual: Any) -> Comparison:
-    """Compare two (nested) outputs leaf by leaf; the result names the worst leaf."""
+def compare(expected: Any, actual: Any, compute_dtype: torch.dtype | None = None) -> Comparison:
+    """Compare two (nested) outputs leaf by leaf; the result names the worst leaf.
+
+    ``compute_dtype``: the lowest precision the candidate computes in (e.g. bf16 after
+    mixed precision); its tolerance applies when looser than the output dtype's.
+    """
     expected_leaves, expected_spec = pytree.tree_flatten_with_path(expected)
     actual_leaves, actual_spec = pytree.tree_flatten_with_path(actual)
     if expected_spec != actual_spec:
@@ -142,9 +149,12 @@ def compare(expected: Any, actual: Any) -> Comparison:
     worst = Comparison(0.0, 0.0, "output")
     worst_ratio = -1.0
     for (path, exp_leaf), (_, act_leaf) in zip(expected_leaves, actual_leaves, strict=True):
-        error, tolerance, detail = _leaf_error(exp_leaf, act_leaf)
+        tolerance = tolerance_for(exp_leaf.dtype) if isinstance(exp_leaf, torch.Tensor) else 0.0
+        if compute_dtype is not None and tolerance:
+            tolerance = max(tolerance, tolerance_for(compute_dtype))
+        error, mean_error, tolerance, detail = _leaf_error(exp_leaf, act_leaf, tolerance)
         ratio = error / tolerance if tolerance else (0.0 if error == 0 else float("inf"))
         if ratio > worst_ratio:
             worst_ratio = ratio
-            worst = Comparison(error, tolerance, "output" + pytree.keystr(path), detail)
+            worst = Comparison(error, tolerance, "output" + pytree.keystr(path), detail, mean_error)
     return worst

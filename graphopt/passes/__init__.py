@@ -14,6 +14,7 @@ from graphopt.passes.drop_conv_bias import drop_conv_bias
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.passes.remove_dropout import remove_dropout
 from graphopt.passes.to_channels_last import to_channels_last
+from graphopt.passes.use_low_precision import use_low_precision
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ REGISTRY: dict[str, PassInfo] = {
             ("inference", "training"),
             "run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it",
             measured=True,
+        ),
+        PassInfo(
+            "use_low_precision",
+            use_low_precision,
+            ("inference", "training"),
+            "run conv/linear/matmul/attention in bf16 or fp16 and sensitive ops in fp32 (optimize(precision=...))",
+            exact=False,
         ),
     )
 }

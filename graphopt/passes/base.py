@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NamedTuple
 
+import torch
 import torch.fx as fx
 
 from graphopt.ops import delete_attr, remove_dead_code
@@ -29,6 +30,9 @@ class PassContext:
     example_inputs: tuple[Any, ...] = field(default_factory=tuple)
     keep_channels_last_outputs: bool = False  # to_channels_last: leave 4-D outputs in channels_last
     measure: bool = False  # keep a `measured` pass only if the graph runs faster with it
+    precision: torch.dtype | None = None  # use_low_precision: the low dtype (bf16/fp16)
+    low_precision_ops: frozenset[str] = frozenset()  # use_low_precision: op families run in `precision`
+    fp32_ops: frozenset[str] = frozenset()  # use_low_precision: op families kept in fp32
 
 
 class PassResult(NamedTuple):

@@ -1,0 +1,210 @@
+"""use_low_precision: dtypes op by op, numerics, training, weights cast once, policy overrides, errors."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphopt
+from graphopt import api
+from graphopt.models import REFERENCE_MODELS
+from graphopt.ops import batch_norm_view, interpreter_inputs, precision_family
+from graphopt.passes.use_low_precision import CAST, DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
+from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
+
+BF16_BOUND = 3e-2  # documented bound for bf16, relative to the output's scale
+
+
+class InputDtypes(fx.Interpreter):
+    """Records, for every node, the dtypes of the floating-point tensors it reads (independent of the pass)."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        values = [self.env.get(a) for a in n.all_input_nodes]
+        n.meta["test_input_dtypes"] = {v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        return super().run_node(n)
+
+
+def record_dtypes(gm: fx.GraphModule, inputs: tuple) -> None:
+    with torch.no_grad():
+        InputDtypes(gm).run(*interpreter_inputs(gm, inputs))
+
+
+def assert_policy_holds(gm: fx.GraphModule, low: torch.dtype, low_ops=DEFAULT_LOW_PRECISION_OPS, fp32_ops=DEFAULT_FP32_OPS) -> int:
+    """Every low-precision op reads only ``low`` tensors, every fp32 op only fp32 ones; returns the low op count."""
+    checked = 0
+    for node in gm.graph.nodes:
+        family = precision_family(gm, node)
+        if family in low_ops:
+            assert node.meta["test_input_dtypes"] == {low}, (node.name, node.meta["test_input_dtypes"])
+            checked += 1
+        elif family in fp32_ops:
+            assert node.meta["test_input_dtypes"] <= {torch.float32}, (node.name, node.meta["test_input_dtypes"])
+    return checked
+
+
+def flat_grads(model: nn.Module, names: set[str]) -> torch.Tensor:
+    """The gradients of ``names``, in name order (an optimized module may list its parameters in another order)."""
+    parameters = dict(model.named_parameters())
+    return torch.cat([parameters[name].grad.flatten() for name in sorted(names)])
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("name", sorted(REFERENCE_MODELS))
+def test_reference_models_in_bf16(name: str, frontend: str, mode: str) -> None:
+    reference = REFERENCE_MODELS[name]
+    model = randomize_batch_norms(reference.build()).train(mode == "training")
+    inputs = reference.example_inputs(batch_size=4)
+    optimized = graphopt.optimize(model, inputs, frontend=frontend, precision="bf16", memory_format="preserve")
+
+    record_dtypes(optimized.graph_module, inputs)
+    assert assert_policy_holds(optimized.graph_module, torch.bfloat16) > 0
+    report = optimized.graphopt_report["use_low_precision"]
+    assert "100.0% of conv/linear/matmul FLOPs in low precision" in report.notes[-1]
+    assert report.max_error < BF16_BOUND and report.mean_error < report.max_error
+
+    original = copy.deepcopy(model)
+    torch.manual_seed(0)
+    expected = original(*inputs)
+    torch.manual_seed(0)
+    actual = optimized(*inputs)
+    assert actual.dtype == torch.float32
+    assert relative_error(expected, actual) < BF16_BOUND
+    if mode == "training":
+        assert all(p.dtype == torch.float32 for p in optimized.parameters())
+        expected.square().mean().backward()
+        actual.square().mean().backward()
+        kept = {n for n, _ in optimized.named_parameters()}
+        assert relative_error(flat_grads(original, kept), flat_grads(optimized, kept)) < 5e-2
+
+
+def test_inference_weights_are_cast_once_and_fp32_values_kept() -> None:
+    model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).eval()
+    inputs = (torch.randn(2, 3, 32, 32),)
+    folded = graphopt.optimize(model, inputs, memory_format="preserve")
+    optimized = graphopt.optimize(model, inputs, memory_format="preserve", precision="bf16")
+    assert {p.dtype for p in optimized.parameters()} == {torch.bfloat16}
+    fp32 = optimized.fp32_weights()
+    assert set(fp32) == set(dict(optimized.named_parameters()))
+    for name, value in folded.state_dict().items():
+        torch.testing.assert_close(fp32[name], value)  # the folded fp32 weights, before the cast
+    casts = [n for n in optimized.graph.nodes if n.meta.get(CAST)]
+    assert len(casts) == 2, "the input to bf16 and the logits back to fp32: no per-call weight casts"
+
+
+def test_works_with_folding_and_channels_last() -> None:
+    model = randomize_batch_norms(REFERENCE_MODELS["mobilenet_v2"].build()).eval()
+    inputs = (torch.randn(2, 3, 32, 32),)
+    optimized = graphopt.optimize(model, inputs, precision="bf16", memory_format="channels_last")
+    gm = optimized.graph_module
+    assert not [n for n in gm.graph.nodes if batch_norm_view(gm, n) is not None]
+    assert [p.name for p in optimized.graphopt_report.passes] == ["remove_dropout", "fold_conv_bn", "use_low_precision", "to_channels_last"]
+    record_dtypes(gm, inputs)
+    assert_policy_holds(gm, torch.bfloat16)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in optimized.parameters() if p.dim() == 4)
+    assert relative_error(model(*inputs), optimized(*inputs)) < BF16_BOUND
+
+
+@pytest.mark.skipif(not api._cpu_runs(torch.float16), reason="this CPU has no fp16 kernels (the error is tested below)")
+def test_fp16_on_cpu() -> None:
+    model = REFERENCE_MODELS["transformer"].build().eval()
+    inputs = (torch.randn(2, 3, 32, 32),)
+    optimized = graphopt.optimize(model, inputs, precision="fp16", memory_format="preserve")
+    record_dtypes(optimized.graph_module, inputs)
+    assert assert_policy_holds(optimized.graph_module, torch.float16) > 0
+    assert relative_error(model(*inputs), optimized(*inputs)) < 1e-2
+
+
+class Attention(nn.Module):
+    """One input read by two linears (cast once), softmax and a PReLU with its own fp32 parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.act = nn.Linear(8, 8), nn.Linear(8, 8), nn.PReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.act(F.softmax(scores, dim=-1) @ x)
+
+
+def test_one_cast_per_value_and_unknown_modules_get_fp32() -> None:
+    model = Attention()
+    inputs = (torch.randn(2, 5, 8),)
+    optimized = graphopt.optimize(model.eval(), inputs, precision="bf16", memory_format="preserve")
+    gm = optimized.graph_module
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert [u.meta.get(CAST) for u in placeholder.users].count(True) == 1
+    record_dtypes(gm, inputs)
+    assert assert_policy_holds(gm, torch.bfloat16) == 4  # q, k and both matmuls
+    prelu = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "act")
+    assert prelu.meta["test_input_dtypes"] == {torch.float32}
+    assert relative_error(model(*inputs), optimized(*inputs)) < BF16_BOUND
+
+
+def test_policy_overrides() -> None:
+    model = Attention().eval()
+    inputs = (torch.randn(2, 5, 8),)
+    optimized = graphopt.optimize(model, inputs, precision="bf16", memory_format="preserve", low_precision_ops=["matmul"], fp32_ops=["linear"])
+    gm = optimized.graph_module
+    record_dtypes(gm, inputs)
+    linears = [n for n in gm.graph.nodes if precision_family(gm, n) == "linear"]
+    assert linears and all(n.meta["test_input_dtypes"] == {torch.float32} for n in linears)
+    assert assert_policy_holds(gm, torch.bfloat16, {"matmul"}, {"linear"}) == 2
+    softmax_in_low = graphopt.optimize(model, inputs, precision="bf16", memory_format="preserve", fp32_ops=[])
+    record_dtypes(softmax_in_low.graph_module, inputs)
+    softmax = next(n for n in softmax_in_low.graph.nodes if precision_family(softmax_in_low.graph_module, n) == "softmax")
+    assert softmax.meta["test_input_dtypes"] == {torch.bfloat16}
+
+
+def test_model_without_low_precision_ops_is_unchanged() -> None:
+    model = nn.Sequential(nn.ReLU(), nn.LayerNorm(4))
+    optimized = graphopt.optimize(model.eval(), torch.randn(2, 4), precision="bf16")
+    report = optimized.graphopt_report["use_low_precision"]
+    assert not report.modified and "nothing to gain" in report.notes[0]
+
+
+def test_precision_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),)
+    with pytest.raises(graphopt.InvalidOptionError, match="unknown precision 'int8': use one of 'fp32', 'bf16', 'fp16'"):
+        graphopt.optimize(model, inputs, precision="int8")
+    with pytest.raises(graphopt.InvalidOptionError, match="precision='fp32': pass precision='bf16' or 'fp16'"):
+        graphopt.optimize(model, inputs, passes=["use_low_precision"])
+    with pytest.raises(graphopt.InvalidOptionError, match=r"unknown op families \['convolution'\]"):
+        graphopt.optimize(model, inputs, precision="bf16", low_precision_ops=["convolution"])
+    with pytest.raises(graphopt.InvalidOptionError, match=r"\['linear'\] are in both"):
+        graphopt.optimize(model, inputs, precision="bf16", fp32_ops=["linear"])
+    monkeypatch.setattr(api, "_cpu_runs", lambda dtype: False)
+    with pytest.raises(graphopt.InvalidOptionError, match="this CPU has no fp16 convolution/matmul kernels"):
+        graphopt.optimize(model, inputs, precision="fp16")
+
+
+def test_verification_uses_the_low_precision_tolerance() -> None:
+    model = REFERENCE_MODELS["resnet"].build().eval()
+    report = graphopt.optimize(model, (torch.randn(2, 3, 32, 32),), precision="bf16", memory_format="preserve").graphopt_report
+    assert report.tolerance == 5e-2 and "tolerance 5e-02" in str(report)
+    assert report["fold_conv_bn"].max_error < 1e-5, "passes before the cast keep the fp32 check"
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_training_matches_torch_autocast(frontend: str) -> None:
+    """Explicit casts give autocast's semantics: same forward, same fp32 gradients, on a conv/BN net."""
+    model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).train()
+    inputs = (torch.randn(4, 3, 32, 32),)
+    optimized = graphopt.optimize(model, inputs, frontend=frontend, precision="bf16", memory_format="preserve", disable=["drop_conv_bias"])
+    reference = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(*inputs).float()
+    torch.manual_seed(0)
+    actual = optimized(*inputs)
+    assert relative_error(expected, actual) < 1e-3
+    expected.square().mean().backward()
+    actual.square().mean().backward()
+    names = {n for n, _ in optimized.named_parameters()}
+    assert relative_error(flat_grads(reference, names), flat_grads(optimized, names)) < 1e-3
