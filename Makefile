@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench-layout clean
+.PHONY: venv test demo bench-compare clean
 
 venv: $(STAMP)
 
@@ -23,9 +23,9 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/graphopt demo
 
-# Eager NCHW vs channels_last vs graphopt on the reference models (run on a quiet machine).
-bench-layout: $(STAMP)
-	$(PY) -m graphopt.bench.layout
+# Eager fp32, channels_last and bf16 autocast vs graphopt on the reference models (run on a quiet machine).
+bench-compare: $(STAMP)
+	$(PY) -m graphopt.bench.compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
