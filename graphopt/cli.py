@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.api import MEMORY_FORMATS, OptimizedModule, optimize
+from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
 from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
@@ -111,6 +111,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         memory_format=args.memory_format,
         keep_channels_last_outputs=args.keep_channels_last_outputs,
+        precision=args.precision,
     )
     print(optimized.graphopt_report)
     if args.report:
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="channels_last for convs: auto (if it measures faster), channels_last, preserve",
     )
     run.add_argument("--keep-channels-last-outputs", action="store_true", help="leave 4-D outputs in channels_last")
+    run.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16/fp16: conv, linear, matmul in low precision (opt-in)")
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.set_defaults(handler=_command_optimize)

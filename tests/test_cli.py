@@ -321,3 +321,10 @@ def test_demo_rejects_a_batch_size_below_one(capsys: pytest.CaptureFixture[str],
         run(capsys, "demo", "--model", "resnet", "--batch", batch)
     assert info.value.code == 2
     assert "argument --batch: must be 1 or more" in capsys.readouterr().err
+
+
+def test_optimize_in_bf16_adds_the_precision_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--precision", "bf16", "--memory-format", "preserve")
+    assert code == 0, err
+    assert list(table_rows(out)) == ["remove_dropout", "fold_conv_bn", "use_low_precision"]
+    assert "of conv/linear/matmul FLOPs in low precision" in out
