@@ -6,9 +6,11 @@
 """
 
 from graphopt.api import OptimizedModule, optimize
+from graphopt.backends.onnx_export import ExportReport, export_onnx
 from graphopt.capture import capture
 from graphopt.errors import (
     CaptureError,
+    ExportError,
     GraphoptError,
     InvalidInputsError,
     InvalidModelError,
@@ -25,6 +27,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "ExportError",
+    "ExportReport",
     "GraphoptError",
     "InvalidInputsError",
     "InvalidModelError",
@@ -37,6 +41,7 @@ __all__ = [
     "UnknownPassError",
     "VerificationError",
     "capture",
+    "export_onnx",
     "list_passes",
     "optimize",
 ]

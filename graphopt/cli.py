@@ -1,6 +1,7 @@
 """The ``graphopt`` command line.
 
-    graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json]
+    graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
+    graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
     graphopt demo [--model resnet]
     graphopt passes
 """
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
+from graphopt.backends.onnx_export import export_onnx
 from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
@@ -117,6 +119,25 @@ def _command_optimize(args: argparse.Namespace) -> int:
     if args.report:
         Path(args.report).write_text(optimized.graphopt_report.to_json() + "\n")
         print(f"report written to {args.report}")
+    if args.onnx:
+        print(export_onnx(optimized, inputs, args.onnx, optimize=False, overwrite=args.overwrite))
+    return 0
+
+
+def _command_export(args: argparse.Namespace) -> int:
+    model = load_factory(args.target).eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    report = export_onnx(
+        model,
+        inputs,
+        args.output,
+        optimize=not args.no_optimize,
+        opset=args.opset,
+        overwrite=args.overwrite,
+        precision=args.precision,
+    )
+    print(report)
     return 0
 
 
@@ -174,7 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16/fp16: conv, linear, matmul in low precision (opt-in)")
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
+    run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")
+    run.add_argument("--overwrite", action="store_true", help="with --onnx: replace an existing file")
     run.set_defaults(handler=_command_optimize)
+
+    export = commands.add_parser("export", help="optimize for inference, export to ONNX and check it with onnxruntime")
+    export.add_argument("target", metavar="MODULE:FACTORY", help="e.g. graphopt.models:resnet_small")
+    export.add_argument("output", metavar="OUT.onnx")
+    export.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]", help="one per forward() argument")
+    export.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    export.add_argument("--precision", choices=("fp32", "fp16"), default="fp32", help="fp16: fp16 weights, fp32 inputs and outputs")
+    export.add_argument("--no-optimize", action="store_true", help="export the model as it is")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    export.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
+    export.set_defaults(handler=_command_export)
 
     demo = commands.add_parser("demo", help="optimize a built-in model and compare its latency with eager")
     demo.add_argument("--model", choices=sorted(REFERENCE_MODELS), default="resnet")

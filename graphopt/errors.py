@@ -51,3 +51,7 @@ class VerificationError(GraphoptError):
 
 class ModeSwitchError(GraphoptError, RuntimeError):
     """An optimized module was switched to a mode its rewrites do not support."""
+
+
+class ExportError(GraphoptError):
+    """The model could not be exported to ONNX, or the file failed its checks."""

@@ -1,0 +1,1 @@
+"""Final stages that turn the optimized graph into something other than a graph: ONNX files."""
