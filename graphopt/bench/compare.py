@@ -38,7 +38,10 @@ def _eager(model: nn.Module, inputs: tuple[torch.Tensor, ...], context: Callable
 
 
 def _onnxruntime(path: Path, inputs: tuple[torch.Tensor, ...]) -> Callable[[], Any]:
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = onnxruntime.SessionOptions()
+    # onnxruntime's threads otherwise spin after each run and steal the cores from the next variant
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     feeds = {spec.name: tensor.numpy() for spec, tensor in zip(session.get_inputs(), inputs, strict=True)}
     return lambda: session.run(None, feeds)
 
