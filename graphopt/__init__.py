@@ -8,6 +8,7 @@
 from graphopt.api import OptimizedModule, optimize
 from graphopt.backends.onnx_export import ExportReport, export_onnx
 from graphopt.capture import capture
+from graphopt.diff import GraphDiff, diff
 from graphopt.errors import (
     CaptureError,
     ExportError,
@@ -29,6 +30,7 @@ __all__ = [
     "CaptureError",
     "ExportError",
     "ExportReport",
+    "GraphDiff",
     "GraphoptError",
     "InvalidInputsError",
     "InvalidModelError",
@@ -41,6 +43,7 @@ __all__ = [
     "UnknownPassError",
     "VerificationError",
     "capture",
+    "diff",
     "export_onnx",
     "list_passes",
     "optimize",

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphopt.capture import capture_graph, check_frontend
+from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError
 from graphopt.ops import PRECISION_FAMILY_NAMES
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext
@@ -210,7 +211,8 @@ def optimize(
         low_precision_ops=low_ops,
         fp32_ops=kept_ops,
     )
-    gm, report.passes = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
+    report.captured_nodes = snapshot(gm.graph)
+    gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
     return OptimizedModule(gm, report)
 
 

@@ -2,6 +2,7 @@
 
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
+    graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html]
     graphopt demo [--model resnet]
     graphopt passes
 """
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
 from graphopt.backends.onnx_export import export_onnx
+from graphopt.diff import diff as graph_diff_of
 from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
@@ -124,6 +126,23 @@ def _command_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_diff(args: argparse.Namespace) -> int:
+    model = load_factory(args.target)
+    if args.mode == "inference":
+        model.eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    optimized = optimize(model, inputs, mode=args.mode, memory_format=args.memory_format, precision=args.precision)
+    diffs = optimized.graphopt_report.diffs
+    if args.pass_name is not None and args.pass_name not in diffs:
+        raise UsageError(f"no pass {args.pass_name!r} ran; these did: {', '.join(diffs)}")
+    graph_diff = diffs[args.pass_name] if args.pass_name else graph_diff_of(optimized)
+    print(graph_diff)
+    if args.html:
+        print(f"HTML diff written to {graph_diff.to_html(args.html)}")
+    return 0
+
+
 def _command_export(args: argparse.Namespace) -> int:
     model = load_factory(args.target).eval()
     generator = torch.Generator().manual_seed(args.seed)
@@ -198,6 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")
     run.add_argument("--overwrite", action="store_true", help="with --onnx: replace an existing file")
     run.set_defaults(handler=_command_optimize)
+
+    show = commands.add_parser("diff", help="optimize and show what changed in the graph (whole pipeline or one pass)")
+    show.add_argument("target", metavar="MODULE:FACTORY", help="e.g. graphopt.models:resnet_small")
+    show.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]", help="one per forward() argument")
+    show.add_argument("--pass", dest="pass_name", metavar="NAME", help="the diff of this pass only")
+    show.add_argument("--mode", choices=("inference", "training"), default="inference")
+    show.add_argument("--memory-format", choices=MEMORY_FORMATS, default="auto")
+    show.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    show.add_argument("--html", metavar="PATH", help="also write a self-contained HTML diff")
+    show.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
+    show.set_defaults(handler=_command_diff)
 
     export = commands.add_parser("export", help="optimize for inference, export to ONNX and check it with onnxruntime")
     export.add_argument("target", metavar="MODULE:FACTORY", help="e.g. graphopt.models:resnet_small")

@@ -20,6 +20,7 @@ import torch.fx as fx
 from graphopt import verify
 from graphopt.errors import GraphoptError, PassModeError, UnknownPassError, VerificationError
 from graphopt.passes import REGISTRY, Mode, PassContext, PassInfo, PassResult
+from graphopt.diff import GraphDiff, snapshot
 from graphopt.report import NodeChange, PassReport
 from graphopt.timing import compare_latency
 
@@ -111,20 +112,23 @@ def run_passes(
     ctx: PassContext,
     expected: Any | None,
     capture_error: float = 0.0,
-) -> tuple[fx.GraphModule, list[PassReport]]:
+) -> tuple[fx.GraphModule, list[PassReport], dict[str, GraphDiff]]:
     """Run ``infos`` in order on ``gm``; verify against ``expected`` unless it is None.
 
     ``capture_error`` is the captured graph's error, carried by passes that change nothing.
     With ``ctx.measure``, a `measured` pass that does not make the graph faster is undone.
-    Returns the optimized graph module (``gm`` itself unless a pass was undone) and the reports.
+    Returns the optimized graph module (``gm`` itself unless a pass was undone), the reports
+    and the graph diff of each pass.
     """
     reports = []
+    diffs = {}
     error = capture_error
     compute_dtype = None  # set once a pass lowers precision: later checks use its tolerance
     for info in infos:
         before = list(gm.graph.nodes)
         before_changes = {node: NodeChange.of(node) for node in before}
-        snapshot = copy.deepcopy(gm) if info.measured and ctx.measure else None
+        before_nodes = snapshot(gm.graph)
+        undo_copy = copy.deepcopy(gm) if info.measured and ctx.measure else None
         started = time.perf_counter()
         result = info.function(gm, ctx)
         report = result.report
@@ -144,10 +148,10 @@ def run_passes(
             report.max_error, report.mean_error = comparison.max_error, comparison.mean_error
         elif expected is not None:
             report.max_error = error
-        if snapshot is not None and result.modified:
-            gain, figures = _measure(snapshot, gm, ctx)
+        if undo_copy is not None and result.modified:
+            gain, figures = _measure(undo_copy, gm, ctx)
             if gain < MIN_MEASURED_GAIN:
-                gm = snapshot
+                gm = undo_copy
                 undone = PassReport(info.name, seconds=report.seconds, max_error=error if expected is not None else None)
                 undone.notes.append(f"{figures}: undone (a measured pass must be {MIN_MEASURED_GAIN:.2f}x faster to stay)")
                 report = undone
@@ -155,4 +159,5 @@ def run_passes(
                 report.notes.append(f"{figures}: kept")
         error = report.max_error if report.max_error is not None else error
         reports.append(report)
-    return gm, reports
+        diffs[info.name] = GraphDiff(info.name, before_nodes, snapshot(gm.graph), {r.node: r.detail for r in report.rewrites}, report.skips)
+    return gm, reports, diffs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ class Rewrite:
 
     where: str
     detail: str
+    node: str = ""  # the node's name in the graph (what diffs match on)
 
 
 @dataclass
@@ -82,7 +83,7 @@ class PassReport:
     seconds: float = 0.0
 
     def rewrite(self, node: fx.Node, detail: str) -> None:
-        self.rewrites.append(Rewrite(describe(node), detail))
+        self.rewrites.append(Rewrite(describe(node), detail, node.name))
 
     def skip(self, node: fx.Node, reason: str) -> None:
         self.skips.append(Skip(describe(node), reason))
@@ -100,6 +101,10 @@ class Report:
     verified: bool = True
     tolerance: float | None = None
     capture_seconds: float = 0.0
+    # graph diffs, kept out of to_dict(): per pass (report.diffs["fold_conv_bn"]), and the
+    # captured graph's nodes that graphopt.diff(optimized) compares the result with
+    diffs: dict[str, Any] = field(default_factory=dict, repr=False)
+    captured_nodes: list[Any] = field(default_factory=list, repr=False)
 
     def __getitem__(self, pass_name: str) -> PassReport:
         for report in self.passes:
@@ -125,7 +130,9 @@ class Report:
         return found
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(replace(self, diffs={}, captured_nodes=[]))
+        del data["diffs"], data["captured_nodes"]
+        return data
 
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

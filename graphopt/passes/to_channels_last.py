@@ -131,12 +131,12 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             # every reader but reshapes and outputs takes the converted value, so layout-agnostic
             # ops beside the conv (a residual add of the input) stay in channels_last too
             readers = [u for u in value.users if u.op != "output" and not is_reshape(gm, u) and not u.meta.get(CONVERSION)]
-            _insert_conversion(gm, value, readers, _CHANNELS_LAST[conv_ranks[convs[0]]])
-            report.rewrite(value, f"to channels_last for {', '.join(describe(u) for u in readers)}")
+            conversion = _insert_conversion(gm, value, readers, _CHANNELS_LAST[conv_ranks[convs[0]]])
+            report.rewrite(conversion, f"{value.name} to channels_last for {', '.join(describe(u) for u in readers)}")
             to_channels_last += 1
         for value, reshapes in planner.to_contiguous.items():
-            _insert_conversion(gm, value, reshapes, None)
-            report.rewrite(value, f"back to contiguous for {', '.join(describe(u) for u in reshapes)} (needs NCHW order)")
+            conversion = _insert_conversion(gm, value, reshapes, None)
+            report.rewrite(conversion, f"{value.name} back to contiguous for {', '.join(describe(u) for u in reshapes)} (needs NCHW order)")
             to_contiguous += 1
     outputs_converted = 0 if ctx.keep_channels_last_outputs else _restore_output_layouts(gm, ctx.example_inputs, conv_ranks, report)
     report.notes.append(
@@ -155,8 +155,8 @@ def _restore_output_layouts(gm: fx.GraphModule, args: tuple[Any, ...], conv_rank
     converted = 0
     for leaf in dict.fromkeys(leaves):
         if leaf.meta.get("graphopt_layout") == "channels_last":
-            _insert_conversion(gm, leaf, [output], None)
-            report.rewrite(leaf, "back to contiguous for the model's output")
+            conversion = _insert_conversion(gm, leaf, [output], None)
+            report.rewrite(conversion, f"{leaf.name} back to contiguous for the model's output")
             converted += 1
     return converted
 

@@ -127,13 +127,14 @@ def _run(planner: fx.Interpreter, gm: fx.GraphModule, args: tuple[Any, ...]) -> 
         return planner.run(*interpreter_inputs(gm, args))
 
 
-def _insert_cast(gm: fx.GraphModule, value: fx.Node, readers: list[fx.Node], dtype: torch.dtype) -> None:
+def _insert_cast(gm: fx.GraphModule, value: fx.Node, readers: list[fx.Node], dtype: torch.dtype) -> fx.Node:
     with gm.graph.inserting_after(value):
         cast = gm.graph.call_method("to", (value, dtype))
     cast.meta.update(value.meta)
     cast.meta[CAST] = True
     for reader in readers:
         reader.replace_input_with(value, cast)
+    return cast
 
 
 def use_low_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -166,9 +167,9 @@ def use_low_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     planner = _PrecisionPlanner(gm, wanted, low)
     _run(planner, gm, ctx.example_inputs)
     for (value, dtype), readers in planner.casts.items():
-        _insert_cast(gm, value, readers, dtype)
+        cast = _insert_cast(gm, value, readers, dtype)
         direction = "to fp32 for" if dtype == torch.float32 else f"to {str(low).removeprefix('torch.')} for"
-        report.rewrite(value, f"cast {direction} {', '.join(describe(r) for r in readers)}")
+        report.rewrite(cast, f"{value.name} {direction} {', '.join(describe(r) for r in readers)}")
     _restore_output_dtypes(gm, ctx.example_inputs, original_outputs, report)
 
     low_ops = sum(1 for dtype in wanted.values() if dtype == low)
@@ -205,5 +206,5 @@ def _restore_output_dtypes(gm: fx.GraphModule, args: tuple[Any, ...], original: 
     for leaf, value, dtype in zip(pytree.tree_leaves(output.args), outputs, original, strict=True):
         if isinstance(leaf, fx.Node) and leaf not in done and dtype is not None and _floating(value) and value.dtype != dtype:
             done.add(leaf)
-            _insert_cast(gm, leaf, [output], dtype)
-            report.rewrite(leaf, f"cast back to {str(dtype).removeprefix('torch.')} for the model's output")
+            cast = _insert_cast(gm, leaf, [output], dtype)
+            report.rewrite(cast, f"{leaf.name} back to {str(dtype).removeprefix('torch.')} for the model's output")
