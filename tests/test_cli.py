@@ -79,7 +79,7 @@ def test_passes_lists_every_registered_pass(capsys: pytest.CaptureFixture[str]) 
 
 def test_optimize_prints_the_report_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     report_path = tmp_path / "r.json"
-    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--report", str(report_path))
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--report", str(report_path), "--memory-format", "channels_last")
     assert code == 0, err
     assert "graphopt: error" not in err
     assert "mode: inference" in out and "frontend: fx" in out and "verify: on" in out
