@@ -99,12 +99,17 @@ def _split_names(text: str | None) -> list[str] | None:
     return None if text is None else [name.strip() for name in text.split(",") if name.strip()]
 
 
-def _command_optimize(args: argparse.Namespace) -> int:
+def _model_and_inputs(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The model built by MODULE:FACTORY (in eval mode unless --mode training) and random --input tensors."""
     model = load_factory(args.target)
-    if args.mode == "inference":
+    if getattr(args, "mode", "inference") == "inference":
         model.eval()
     generator = torch.Generator().manual_seed(args.seed)
-    inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    return model, tuple(parse_input_spec(spec, generator) for spec in args.input)
+
+
+def _command_optimize(args: argparse.Namespace) -> int:
+    model, inputs = _model_and_inputs(args)
     optimized = optimize(
         model,
         inputs,
@@ -127,11 +132,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
 
 
 def _command_diff(args: argparse.Namespace) -> int:
-    model = load_factory(args.target)
-    if args.mode == "inference":
-        model.eval()
-    generator = torch.Generator().manual_seed(args.seed)
-    inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    model, inputs = _model_and_inputs(args)
     optimized = optimize(model, inputs, mode=args.mode, memory_format=args.memory_format, precision=args.precision)
     diffs = optimized.graphopt_report.diffs
     if args.pass_name is not None and args.pass_name not in diffs:
@@ -144,9 +145,7 @@ def _command_diff(args: argparse.Namespace) -> int:
 
 
 def _command_export(args: argparse.Namespace) -> int:
-    model = load_factory(args.target).eval()
-    generator = torch.Generator().manual_seed(args.seed)
-    inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    model, inputs = _model_and_inputs(args)
     report = export_onnx(
         model,
         inputs,

@@ -98,6 +98,20 @@ def remove_dead_code(gm: fx.GraphModule) -> None:
     gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.op == "call_module" or node.is_impure())
 
 
+def insert_reader(gm: fx.GraphModule, value: fx.Node, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], readers: list[fx.Node], marker: str) -> fx.Node:
+    """Insert ``value.<method>(*args, **kwargs)`` right after ``value`` and have ``readers`` read it instead.
+
+    The new node copies ``value``'s metadata and is marked with ``node.meta[marker] = True``.
+    """
+    with gm.graph.inserting_after(value):
+        node = gm.graph.call_method(method, (value, *args), kwargs)
+    node.meta.update(value.meta)
+    node.meta[marker] = True
+    for reader in readers:
+        reader.replace_input_with(value, node)
+    return node
+
+
 def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     """The submodule a ``call_module`` node calls, else ``None``."""
     if node.op != "call_module":

@@ -35,7 +35,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.ops import interpreter_inputs, is_permute, is_reshape, layout_of, weighted_op_view
+from graphopt.ops import insert_reader, interpreter_inputs, is_permute, is_reshape, layout_of, weighted_op_view
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -91,13 +91,7 @@ def _plan(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, i
 def _insert_conversion(gm: fx.GraphModule, value: fx.Node, users: list[fx.Node], memory_format: torch.memory_format | None) -> fx.Node:
     """``value.contiguous(memory_format=...)`` right after ``value``, read by ``users`` instead of it."""
     kwargs = {"memory_format": memory_format} if memory_format is not None else {}
-    with gm.graph.inserting_after(value):
-        conversion = gm.graph.call_method("contiguous", (value,), kwargs)
-    conversion.meta.update(value.meta)
-    conversion.meta[CONVERSION] = True
-    for user in users:
-        user.replace_input_with(value, conversion)
-    return conversion
+    return insert_reader(gm, value, "contiguous", (), kwargs, users, CONVERSION)
 
 
 def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:

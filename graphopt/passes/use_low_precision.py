@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.ops import batch_norm_view, get_attr, interpreter_inputs, precision_family, replace_tensor, weighted_op_view
+from graphopt.ops import batch_norm_view, get_attr, insert_reader, interpreter_inputs, precision_family, replace_tensor, weighted_op_view
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -127,16 +127,6 @@ def _run(planner: fx.Interpreter, gm: fx.GraphModule, args: tuple[Any, ...]) -> 
         return planner.run(*interpreter_inputs(gm, args))
 
 
-def _insert_cast(gm: fx.GraphModule, value: fx.Node, readers: list[fx.Node], dtype: torch.dtype) -> fx.Node:
-    with gm.graph.inserting_after(value):
-        cast = gm.graph.call_method("to", (value, dtype))
-    cast.meta.update(value.meta)
-    cast.meta[CAST] = True
-    for reader in readers:
-        reader.replace_input_with(value, cast)
-    return cast
-
-
 def use_low_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cast compute-heavy ops to ``ctx.precision``, keep sensitive ops in fp32, restore output dtypes."""
     report = PassReport("use_low_precision")
@@ -167,7 +157,7 @@ def use_low_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     planner = _PrecisionPlanner(gm, wanted, low)
     _run(planner, gm, ctx.example_inputs)
     for (value, dtype), readers in planner.casts.items():
-        cast = _insert_cast(gm, value, readers, dtype)
+        cast = insert_reader(gm, value, "to", (dtype,), {}, readers, CAST)
         direction = "to fp32 for" if dtype == torch.float32 else f"to {str(low).removeprefix('torch.')} for"
         report.rewrite(cast, f"{value.name} {direction} {', '.join(describe(r) for r in readers)}")
     _restore_output_dtypes(gm, ctx.example_inputs, original_outputs, report)
@@ -206,5 +196,5 @@ def _restore_output_dtypes(gm: fx.GraphModule, args: tuple[Any, ...], original: 
     for leaf, value, dtype in zip(pytree.tree_leaves(output.args), outputs, original, strict=True):
         if isinstance(leaf, fx.Node) and leaf not in done and dtype is not None and _floating(value) and value.dtype != dtype:
             done.add(leaf)
-            cast = _insert_cast(gm, leaf, [output], dtype)
+            cast = insert_reader(gm, leaf, "to", (dtype,), {}, [output], CAST)
             report.rewrite(cast, f"{leaf.name} back to {str(dtype).removeprefix('torch.')} for the model's output")
