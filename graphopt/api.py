@@ -18,9 +18,9 @@ import torch.nn as nn
 
 from graphopt.capture import capture_graph, check_frontend
 from graphopt.diff import snapshot
-from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError
+from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
 from graphopt.ops import PRECISION_FAMILY_NAMES
-from graphopt.passes import MODES, REGISTRY, Mode, PassContext
+from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.pipeline import resolve_passes, run_passes
 from graphopt.report import Report
@@ -164,23 +164,10 @@ def optimize(
     """
     check_model(model)
     resolved_mode = _resolve_mode(mode, model)
-    if memory_format not in MEMORY_FORMATS:
-        raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
-    if memory_format == "preserve" and passes is not None and "to_channels_last" in passes:
-        raise InvalidOptionError("passes= asks for to_channels_last but memory_format='preserve' forbids it: drop one of them")
-    disabled = [*disable, "to_channels_last"] if memory_format == "preserve" else list(disable)
     low_dtype = check_precision(precision, model)
-    if low_dtype is None:
-        if passes is not None and "use_low_precision" in passes:
-            raise InvalidOptionError("passes= asks for use_low_precision but precision='fp32': pass precision='bf16' or 'fp16'")
-        disabled.append("use_low_precision")
     low_ops, kept_ops = _precision_policy(low_precision_ops, fp32_ops)
-    infos = resolve_passes(resolved_mode, passes, disabled)
-    if passes is None and low_dtype is not None and "use_low_precision" not in disable:
-        # opt-in: lower precision after the exact rewrites, before the layout is chosen
-        position = next((i for i, info in enumerate(infos) if info.name == "to_channels_last"), len(infos))
-        infos.insert(position, REGISTRY["use_low_precision"])
-    check_frontend(frontend)  # before the costly steps below
+    infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype)
+    check_frontend(frontend)  # every option is checked before the costly steps below
     args = check_inputs(model, example_inputs)
     try:
         owned = copy.deepcopy(model)
@@ -214,6 +201,32 @@ def optimize(
     report.captured_nodes = snapshot(gm.graph)
     gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
     return OptimizedModule(gm, report)
+
+
+def _select_passes(
+    mode: Mode, passes: Sequence[str] | None, disable: Iterable[str], memory_format: str, low_dtype: torch.dtype | None
+) -> list[PassInfo]:
+    """The passes to run: the preset (or ``passes``) shaped by the memory-format and precision options."""
+    if memory_format not in MEMORY_FORMATS:
+        raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
+    if isinstance(passes, str) or isinstance(disable, str):
+        raise UnknownPassError("passes= and disable= take a list of pass names, e.g. passes=['fold_conv_bn']")
+    requested = set(passes or ())
+    disabled = list(disable)
+    if memory_format == "preserve":
+        if "to_channels_last" in requested:
+            raise InvalidOptionError("passes= asks for to_channels_last but memory_format='preserve' forbids it: drop one of them")
+        disabled.append("to_channels_last")
+    if low_dtype is None:
+        if "use_low_precision" in requested:
+            raise InvalidOptionError("passes= asks for use_low_precision but precision='fp32': pass precision='bf16' or 'fp16'")
+        disabled.append("use_low_precision")
+    infos = resolve_passes(mode, passes, disabled)
+    if passes is None and low_dtype is not None and "use_low_precision" not in disabled:
+        # opt-in: lower precision after the exact rewrites, before the layout is chosen
+        position = next((i for i, info in enumerate(infos) if info.name == "to_channels_last"), len(infos))
+        infos.insert(position, REGISTRY["use_low_precision"])
+    return infos
 
 
 def _output_tolerance(expected: Any, compute_dtype: torch.dtype | None) -> float | None:

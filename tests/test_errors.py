@@ -116,3 +116,8 @@ def test_every_error_is_a_graphopt_error() -> None:
         value = getattr(graphopt, name)
         if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, graphopt.GraphoptError)
+
+
+def test_disable_must_be_a_list_too() -> None:
+    with pytest.raises(graphopt.UnknownPassError, match="take a list of pass names"):
+        graphopt.optimize(model(), inputs(), disable="fold_conv_bn")
