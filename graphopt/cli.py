@@ -3,6 +3,7 @@
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
     graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html]
+    graphopt lint train.py [--fix] [--format json]
     graphopt demo [--model resnet]
     graphopt passes
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch.nn as nn
 from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
 from graphopt.backends.onnx_export import export_onnx
 from graphopt.diff import diff as graph_diff_of
+from graphopt.lint import check_source, fix_source
 from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
@@ -144,6 +147,41 @@ def _command_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _python_files(paths: Sequence[str]) -> list[Path]:
+    files: list[Path] = []
+    for text in paths:
+        path = Path(text)
+        if path.is_dir():
+            files += sorted(path.rglob("*.py"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UsageError(f"{text} does not exist: name Python files or folders to lint")
+    return files
+
+
+def _command_lint(args: argparse.Namespace) -> int:
+    select = _split_names(args.select)
+    findings = []
+    for path in _python_files(args.paths):
+        source = path.read_text(encoding="utf-8")
+        if args.fix:
+            fixed, remaining = fix_source(source, str(path), select)
+            if fixed != source:
+                path.write_text(fixed, encoding="utf-8")
+            findings += remaining
+        else:
+            findings += check_source(source, str(path), select)
+    if args.format == "json":
+        print(json.dumps([finding.to_dict() for finding in findings], indent=2))
+    else:
+        for finding in findings:
+            print(finding)
+            print(f"    why: {finding.why}\n    fix: {finding.fix}")
+        print(f"{len(findings)} finding(s)" + (" left after --fix" if args.fix else ""))
+    return 1 if findings else 0
+
+
 def _command_export(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     report = export_onnx(
@@ -227,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--html", metavar="PATH", help="also write a self-contained HTML diff")
     show.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     show.set_defaults(handler=_command_diff)
+
+    lint = commands.add_parser("lint", help="check training scripts against the performance playbook")
+    lint.add_argument("paths", nargs="+", metavar="PATH", help="Python files or folders")
+    lint.add_argument("--fix", action="store_true", help="apply the safe fixes in place")
+    lint.add_argument("--format", choices=("text", "json"), default="text")
+    lint.add_argument("--select", metavar="CODES", help="only these rule codes, e.g. GO101,GO301")
+    lint.set_defaults(handler=_command_lint)
 
     export = commands.add_parser("export", help="optimize for inference, export to ONNX and check it with onnxruntime")
     export.add_argument("target", metavar="MODULE:FACTORY", help="e.g. graphopt.models:resnet_small")

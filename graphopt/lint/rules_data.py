@@ -1,0 +1,1 @@
+"""Lint rules on data loading (GO1xx)."""

@@ -1,0 +1,1 @@
+"""Lint rules on model structure (GO4xx)."""
