@@ -5,6 +5,7 @@
     print(fast.graphopt_report)
 """
 
+from graphopt import data, lint
 from graphopt.api import OptimizedModule, optimize
 from graphopt.backends.onnx_export import ExportReport, export_onnx
 from graphopt.capture import capture
@@ -43,8 +44,10 @@ __all__ = [
     "UnknownPassError",
     "VerificationError",
     "capture",
+    "data",
     "diff",
     "export_onnx",
+    "lint",
     "list_passes",
     "optimize",
 ]

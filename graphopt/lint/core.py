@@ -9,6 +9,7 @@ the ``graphopt/lint/rules_*.py`` modules. It reports AST nodes; a match may carr
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -18,7 +19,10 @@ from graphopt.errors import GraphoptError
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace the source from (line, col) to (end_line, end_col) — 1-based lines, 0-based columns."""
+    """Replace the source from (line, col) to (end_line, end_col).
+
+    Positions are as `ast` gives them: 1-based lines, 0-based columns counted in UTF-8 bytes.
+    """
 
     line: int
     col: int
@@ -110,6 +114,14 @@ def calls(tree: ast.AST) -> Iterator[ast.Call]:
     return (node for node in ast.walk(tree) if isinstance(node, ast.Call))
 
 
+_CONV = re.compile(r"(Lazy)?Conv(Transpose)?[123]d|conv(_transpose)?[123]d")
+
+
+def _is_backward(call: ast.Call) -> bool:
+    # any receiver: loss.backward(), scaler.scale(loss).backward(), (loss / k).backward()
+    return isinstance(call.func, ast.Attribute) and call.func.attr == "backward"
+
+
 @dataclass
 class Facts:
     """What rules need to know about the whole script, computed once."""
@@ -128,10 +140,10 @@ class Facts:
         facts = cls(source, tree)
         facts.uses_cuda = any(n.endswith(".cuda") or n.startswith("torch.cuda.") for n in names) or any(s.startswith("cuda") for s in strings)
         facts.uses_amp = any(n.split(".")[-1] in ("autocast", "GradScaler") for n in names)
-        facts.has_convs = any(n.split(".")[-1].startswith(("Conv", "conv")) for n in names)
+        facts.has_convs = any(_CONV.fullmatch(n.split(".")[-1]) for n in names)
         facts.training_loops = [
             loop for loop in ast.walk(tree)
-            if isinstance(loop, (ast.For, ast.While)) and any(call_name(c).endswith(".backward") for c in calls(loop))
+            if isinstance(loop, (ast.For, ast.While)) and any(_is_backward(c) for c in calls(loop))
         ]
         return facts
 
@@ -157,34 +169,54 @@ def _matches(source: str, path: str, select: Iterable[str] | None) -> list[tuple
     unknown = codes - set(RULES)
     if unknown:
         raise GraphoptError(f"unknown lint rule codes {sorted(unknown)}: known codes are {', '.join(sorted(RULES))}")
+    lines = _byte_lines(source)
     found = []
     for code in sorted(codes):
         current = RULES[code]
         for match in current.check(tree, facts):
+            line = getattr(match.node, "lineno", 1)
+            column = len(lines[line - 1][: getattr(match.node, "col_offset", 0)].decode(errors="ignore")) if line <= len(lines) else 0
             finding = Finding(
                 current.code, current.name, match.message or current.message, current.why, current.fix, path,
-                getattr(match.node, "lineno", 1), getattr(match.node, "col_offset", 0), match.edit is not None,
+                line, column, match.edit is not None,
             )
             found.append((finding, match.edit))
     return sorted(found, key=lambda item: (item[0].line, item[0].col, item[0].code))
 
 
+def _byte_lines(source: str) -> list[bytes]:
+    """The source's lines as `ast` numbers them (split on newlines only), in UTF-8 bytes, endings kept."""
+    return source.encode().splitlines(keepends=True) or [b""]
+
+
 def fix_source(source: str, path: str = "<string>", select: Iterable[str] | None = None) -> tuple[str, list[Finding]]:
-    """Apply every safe fix (non-overlapping edits, bottom-up) and return the new source with what remains."""
-    edits = sorted({edit for _, edit in _matches(source, path, select) if edit is not None}, key=lambda e: (e.line, e.col), reverse=True)
-    lines = source.splitlines(keepends=True)
+    """Apply every safe fix and return the new source with the findings that remain.
+
+    Edits are applied bottom-up, one at a time, each kept only if the file still parses;
+    an edit overlapping one already applied waits for the next run (its finding remains).
+    """
+    edits = sorted(
+        {edit for _, edit in _matches(source, path, select) if edit is not None},
+        key=lambda e: (e.line, e.col, e.end_line, e.end_col, e.replacement),
+        reverse=True,
+    )
     offsets = [0]
-    for text in lines:
-        offsets.append(offsets[-1] + len(text))
-    fixed, last_start = source, len(source) + 1
+    for line in _byte_lines(source):
+        offsets.append(offsets[-1] + len(line))
+    fixed, last_start = source.encode(), len(source.encode()) + 1
     for edit in edits:
         start = offsets[edit.line - 1] + edit.col
         end = offsets[edit.end_line - 1] + edit.end_col
-        if end > last_start:  # overlaps an edit already applied below it: leave it for the next run
+        if end > last_start or (end == last_start and start == end):  # overlaps, or inserts at the same place
             continue
-        fixed = fixed[:start] + edit.replacement + fixed[end:]
-        last_start = start
-    return fixed, check_source(fixed, path, select)
+        candidate = fixed[:start] + edit.replacement.encode() + fixed[end:]
+        try:
+            ast.parse(candidate)
+        except SyntaxError:
+            continue
+        fixed, last_start = candidate, start
+    text = fixed.decode()
+    return text, check_source(text, path, select)
 
 
 def replace_node(node: ast.AST, replacement: str) -> Edit:
@@ -192,10 +224,22 @@ def replace_node(node: ast.AST, replacement: str) -> Edit:
     return Edit(node.lineno, node.col_offset, node.end_lineno or node.lineno, node.end_col_offset or node.col_offset, replacement)
 
 
-def add_keyword(call: ast.Call, text: str, source: str) -> Edit:
-    """An edit appending the keyword argument ``text`` (e.g. ``non_blocking=True``) to ``call``."""
+def add_keyword(call: ast.Call, text: str, source: str) -> Edit | None:
+    """An edit appending the keyword argument ``text`` (e.g. ``non_blocking=True``) to ``call``.
+
+    None when the call cannot take one more argument textually (a bare generator argument).
+    """
     end_line, end_col = call.end_lineno or call.lineno, (call.end_col_offset or 1) - 1  # at the closing ")"
-    before = source.splitlines()[end_line - 1][:end_col].rstrip()
-    trailing_comma = before.endswith(",") or (not before.strip() and bool(call.args or call.keywords))
-    separator = " " if trailing_comma else ", " if call.args or call.keywords else ""
-    return Edit(end_line, end_col, end_line, end_col, f"{separator}{text}")
+    arguments = [*call.args, *call.keywords]
+    if not arguments:
+        return Edit(end_line, end_col, end_line, end_col, text)
+    if len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.GeneratorExp):
+        return None
+    last = max(arguments, key=lambda a: (a.end_lineno or 0, a.end_col_offset or 0))
+    lines = _byte_lines(source)
+    between = b"".join(lines[(last.end_lineno or 1) - 1 : end_line])
+    start = last.end_col_offset or 0
+    stop = len(between) - len(lines[end_line - 1]) + end_col
+    gap = between[start:stop].decode(errors="ignore")
+    has_comma = "," in "".join(part.split("#")[0] for part in gap.splitlines())
+    return Edit(end_line, end_col, end_line, end_col, f" {text}" if has_comma else f", {text}")

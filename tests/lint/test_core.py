@@ -92,3 +92,22 @@ def test_cli_lint_exit_codes_formats_and_fix(tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().out.rstrip().endswith("0 finding(s) left after --fix")
     assert cli.main(["lint", str(tmp_path / "missing.py")]) == 2
     assert "missing.py does not exist" in capsys.readouterr().err
+
+
+def test_facts_see_training_loops_through_any_backward_and_only_real_convs() -> None:
+    import ast
+
+    from graphopt.lint.core import Facts
+
+    source = textwrap.dedent(
+        """\
+        import torch
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(build())
+        for x, y in loader:
+            scaler.scale(criterion(model(x), y)).backward()
+        """
+    )
+    facts = Facts.of(source, ast.parse(source))
+    assert len(facts.training_loops) == 1 and not facts.has_convs
+    conv = "import torch\nnet = torch.nn.Conv2d(3, 8, 3)\n"
+    assert Facts.of(conv, ast.parse(conv)).has_convs
