@@ -9,6 +9,7 @@ exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphopt.capture import capture_graph, check_frontend
+from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
 from graphopt.ops import PRECISION_FAMILY_NAMES
@@ -95,6 +96,30 @@ class OptimizedModule(nn.Module):
         return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"
 
 
+def _unwrap(model: nn.Module, mode: str | None) -> nn.Module:
+    """The module to optimize: the one inside nn.DataParallel/DDP, or the graph of an already optimized module."""
+    if isinstance(model, nn.DataParallel):
+        warnings.warn(
+            "graphopt optimizes the module inside nn.DataParallel and returns it unwrapped. DataParallel is slower "
+            "than DistributedDataParallel even on one machine (one process scatters and gathers through GPU 0): run "
+            "one process per GPU with torchrun and wrap the optimized module in "
+            "torch.nn.parallel.DistributedDataParallel(module, device_ids=[local_rank]).",
+            UserWarning,
+            stacklevel=3,
+        )
+        return model.module
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module
+    if isinstance(model, OptimizedModule):
+        if model.graphopt_report.mode == "inference" and mode == "training":
+            raise ModeSwitchError(
+                "this module was optimized for inference (BatchNorm folded, dropout removed): it cannot be optimized "
+                "for training. Optimize the original model with mode='training'."
+            )
+        return model.graph_module
+    return model
+
+
 def _updates_state(gm: fx.GraphModule) -> bool:
     """Whether running the graph writes to stored tensors (an in-place op on an attribute)."""
     for node in gm.graph.nodes:
@@ -117,6 +142,7 @@ def _resolve_mode(mode: str | None, model: nn.Module) -> Mode:
     return mode  # type: ignore[return-value]
 
 
+@one_at_a_time
 def optimize(
     model: nn.Module,
     example_inputs: Any,
@@ -163,6 +189,7 @@ def optimize(
         An `OptimizedModule` with ``.graphopt_report``.
     """
     check_model(model)
+    model = _unwrap(model, mode)
     resolved_mode = _resolve_mode(mode, model)
     low_dtype = check_precision(precision, model)
     low_ops, kept_ops = _precision_policy(low_precision_ops, fp32_ops)

@@ -19,9 +19,12 @@ silently specialises Python values) counts as a failed frontend.
 from __future__ import annotations
 
 import copy
+import functools
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -35,6 +38,22 @@ from graphopt.ops import remove_dead_code
 from graphopt.validate import check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
+
+# torch.fx.symbolic_trace patches nn.Module.__call__ for every thread while it traces, so a
+# model running eagerly in another thread meanwhile fails: graphopt's public calls take turns.
+_LOCK = threading.RLock()
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def one_at_a_time(function: _Function) -> _Function:
+    """Run ``function`` under graphopt's process-wide lock (concurrent calls are serialised)."""
+
+    @functools.wraps(function)
+    def serialised(*args: Any, **kwargs: Any) -> Any:
+        with _LOCK:
+            return function(*args, **kwargs)
+
+    return serialised  # type: ignore[return-value]
 
 
 @dataclass
@@ -148,6 +167,7 @@ def capture_graph(
     raise CaptureError(f"could not capture {type(model).__name__} as a graph:\n{reasons}\n{hint}", attempts)
 
 
+@one_at_a_time
 def capture(
     model: nn.Module,
     example_inputs: Any,

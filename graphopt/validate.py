@@ -59,9 +59,13 @@ def check_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
 
 
 def reference_run(model: nn.Module, args: tuple[Any, ...]) -> verify.Reference:
-    """Eager outputs and state updates of ``model`` on ``args``; a model that rejects the inputs raises `InvalidInputsError`."""
+    """Eager outputs and state updates of ``model`` on ``args``.
+
+    Raises `InvalidInputsError` when the model rejects the inputs, or when its outputs hold
+    NaN (or no finite value at all): nothing could then be verified against them.
+    """
     try:
-        return verify.run_reference(model, args)
+        reference = verify.run_reference(model, args)
     except Exception as error:
         dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
         input_dtypes = {leaf.dtype for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
@@ -74,3 +78,12 @@ def reference_run(model: nn.Module, args: tuple[Any, ...]) -> verify.Reference:
             f"{describe_inputs(args)}: {message}.{hint} Pass example inputs that model(*example_inputs) accepts "
             "(check the number of arguments, shapes, dtypes and device)."
         ) from error
+    for path, leaf in pytree.tree_flatten_with_path(reference.outputs)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
+            if torch.isnan(leaf).any() or not torch.isfinite(leaf).any():
+                raise InvalidInputsError(
+                    f"{type(model).__name__}'s output{pytree.keystr(path)} on the example inputs {describe_inputs(args)} "
+                    "holds NaN or no finite value: graphopt could not tell a correct rewrite from a wrong one. "
+                    "Pass example inputs for which the model's outputs are finite numbers."
+                )
+    return reference

@@ -218,3 +218,28 @@ def test_state_dict_keys_are_the_models_own() -> None:
     assert all(key.endswith(".bias") and key.replace(".bias", ".weight") in original for key in keys - original)
     assert not any(key.startswith("graph_module") for key in keys)
     assert "graph_module" not in dict(optimized.named_children())
+
+
+def test_concurrent_optimize_calls_on_different_models() -> None:
+    import threading
+
+    names = ["resnet", "mobilenet_v2", "convnext", "transformer"]
+    models = {name: REFERENCE_MODELS[name].build().eval() for name in names}
+    inputs = {name: REFERENCE_MODELS[name].example_inputs(batch_size=2) for name in names}
+    results: dict[str, object] = {}
+
+    def work(name: str) -> None:
+        try:
+            results[name] = graphopt.optimize(models[name], inputs[name], memory_format="preserve")
+        except Exception as error:  # reported below, with the model's name
+            results[name] = error
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name in names:
+        optimized = results[name]
+        assert isinstance(optimized, graphopt.OptimizedModule), (name, optimized)
+        assert relative_error(models[name](*inputs[name]), optimized(*inputs[name])) < 1e-5

@@ -121,3 +121,32 @@ def test_every_error_is_a_graphopt_error() -> None:
 def test_disable_must_be_a_list_too() -> None:
     with pytest.raises(graphopt.UnknownPassError, match="take a list of pass names"):
         graphopt.optimize(model(), inputs(), disable="fold_conv_bn")
+
+
+def test_outputs_without_finite_values_cannot_be_verified() -> None:
+    class Divides(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / 0
+
+    with pytest.raises(graphopt.InvalidInputsError, match="holds NaN or no finite value.*finite numbers"):
+        graphopt.optimize(Divides(), torch.randn(2, 3))
+
+
+def test_data_parallel_is_unwrapped_with_advice() -> None:
+    inner = nn.Sequential(nn.Linear(3, 3), nn.ReLU()).eval()
+    with pytest.warns(UserWarning, match="DistributedDataParallel.*torchrun"):
+        optimized = graphopt.optimize(nn.DataParallel(inner), torch.randn(2, 3))
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(optimized(x), inner(x))
+    assert set(optimized.state_dict()) == set(inner.state_dict())
+
+
+def test_optimizing_an_optimized_module_again() -> None:
+    original = model()
+    x = torch.randn(2, 3, 6, 6)
+    once = graphopt.optimize(original, x, memory_format="preserve")
+    twice = graphopt.optimize(once, x, memory_format="channels_last")
+    torch.testing.assert_close(twice(x), original(x), rtol=1e-4, atol=1e-5)
+    assert twice.graphopt_report["fold_conv_bn"].rewrites == [], "already folded"
+    with pytest.raises(graphopt.ModeSwitchError, match="cannot be optimized for training"):
+        graphopt.optimize(once, x, mode="training")

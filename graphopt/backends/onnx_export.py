@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt.verify import compare
 from graphopt.api import OptimizedModule, optimize as optimize_model
+from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError, VerificationError
 from graphopt.report import Report
 from graphopt.validate import check_inputs, check_model, reference_run
@@ -119,6 +120,7 @@ def _run_onnxruntime(path: Path, args: tuple[Any, ...]) -> list[torch.Tensor]:
         raise ExportError(f"onnxruntime could not run the exported model ({type(error).__name__}: {error})") from error
 
 
+@one_at_a_time
 def export_onnx(
     model: nn.Module,
     example_inputs: Any,
