@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench-compare clean
+.PHONY: venv test fuzz demo bench-compare clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The property-based test with 500 random models per preset (make test runs a bounded number).
+fuzz: $(STAMP)
+	GRAPHOPT_FUZZ_EXAMPLES=500 $(PY) -m pytest tests/test_fuzz.py -p no:cacheprovider
 
 demo: $(STAMP)
 	$(VENV)/bin/graphopt demo

@@ -21,9 +21,20 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+def model_state(model: nn.Module) -> tuple[Any, ...]:
+    """Everything a public call must leave alone: tensors (bytes), training flags, hooks."""
+    tensors = tuple((name, t.dtype, tuple(t.shape), t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for name, t in model.state_dict().items())
+    flags = tuple(m.training for m in model.modules())
+    hooks = tuple(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+    return tensors, flags, hooks
+
+
 def captured(model: nn.Module, inputs: tuple[Any, ...], frontend: str) -> fx.GraphModule:
-    """``model`` captured by ``frontend`` (graphopt.capture deep-copies, so ``model`` stays untouched)."""
-    return graphopt.capture(model, inputs, frontend=frontend)
+    """``model`` captured by ``frontend``; checks that ``model`` itself was left untouched."""
+    before = model_state(model)
+    gm = graphopt.capture(model, inputs, frontend=frontend)
+    assert model_state(model) == before, "capture changed the user's model"
+    return gm
 
 
 def context(inputs: tuple[Any, ...], mode: str = "inference") -> PassContext:

@@ -13,7 +13,7 @@ import graphopt
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import batch_norm_view, dropout_view
 from tests.test_capture import CountsCalls
-from tests.conftest import FRONTENDS, assert_trains_like, ConvOutputReused, ShapeBranch, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, assert_trains_like, model_state, ConvOutputReused, ShapeBranch, randomize_batch_norms, relative_error
 
 
 def resnet(seed: int = 0) -> nn.Module:
@@ -25,15 +25,11 @@ def resnet_inputs(batch: int = 2) -> tuple[torch.Tensor]:
     return (torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch)),)
 
 
-def state_bytes(model: nn.Module) -> dict[str, bytes]:
-    return {k: v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_resnet_inference_acceptance(frontend: str) -> None:
     model = resnet().eval()
     inputs = resnet_inputs(2)
-    before = state_bytes(model)
+    before = model_state(model)
 
     optimized = graphopt.optimize(model, inputs, frontend=frontend)
 
@@ -44,7 +40,7 @@ def test_resnet_inference_acceptance(frontend: str) -> None:
     assert relative_error(model(*inputs), optimized(*inputs)) < 1e-5
     other = resnet_inputs(5)
     assert relative_error(model(*other), optimized(*other)) < 1e-5
-    assert state_bytes(model) == before
+    assert model_state(model) == before
     assert not model.training
     report = optimized.graphopt_report
     assert report.frontend == frontend and report.mode == "inference"
@@ -151,9 +147,9 @@ def test_export_captured_training_module_refuses_eval() -> None:
 
 def test_training_optimize_does_not_advance_the_models_statistics() -> None:
     model = resnet().train()
-    before = state_bytes(model)
+    before = model_state(model)
     graphopt.optimize(model, resnet_inputs(2))
-    assert state_bytes(model) == before
+    assert model_state(model) == before
 
 
 def test_passes_and_disable_choose_what_runs() -> None:
