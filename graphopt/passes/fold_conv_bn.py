@@ -23,6 +23,7 @@ Preconditions, each a recorded skip reason when it fails:
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
@@ -46,13 +47,14 @@ def fold_conv_bn(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         assert producer is not None and producer.weight is not None and bn.output is not None
         assert bn.running_mean is not None and bn.running_var is not None
+        # a BatchNorm without affine parameters scales by 1 and shifts by 0
+        gamma = bn.weight if bn.weight is not None else torch.ones_like(bn.running_mean)
+        beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
         if producer.kind == "linear":
-            weight, bias = fuse_linear_bn_weights(
-                producer.weight, producer.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias
-            )
+            weight, bias = fuse_linear_bn_weights(producer.weight, producer.bias, bn.running_mean, bn.running_var, bn.eps, gamma, beta)
         else:
             weight, bias = fuse_conv_bn_weights(
-                producer.weight, producer.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias,
+                producer.weight, producer.bias, bn.running_mean, bn.running_var, bn.eps, gamma, beta,
                 transpose=producer.transposed,
             )
         producer.set_weight(gm, weight)

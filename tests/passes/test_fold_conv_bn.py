@@ -252,3 +252,11 @@ def test_no_batchnorm_means_no_change() -> None:
     result = fold_conv_bn(gm, context(inputs))
     assert not result.modified and result.report.skips == [] and gm.code == code
     assert weighted_op_view(gm, next(n for n in gm.graph.nodes if n.op == "call_module")) is not None
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("layer, norm, shape", [(nn.Linear(4, 3), nn.BatchNorm1d, (2, 4)), (nn.Conv2d(3, 3, 3), nn.BatchNorm2d, (2, 3, 6, 6))])
+def test_folds_batchnorm_without_affine_parameters(frontend: str, layer: nn.Module, norm: type[nn.Module], shape: tuple) -> None:
+    # found by the fuzzer: the missing weight/bias of BatchNorm(affine=False) mean 1 and 0
+    gm, _ = fold_and_check(nn.Sequential(layer, norm(3, affine=False)), (torch.randn(shape),), frontend, folded=1)
+    assert batch_norms(gm) == []
