@@ -150,3 +150,11 @@ def test_optimizing_an_optimized_module_again() -> None:
     assert twice.graphopt_report["fold_conv_bn"].rewrites == [], "already folded"
     with pytest.raises(graphopt.ModeSwitchError, match="cannot be optimized for training"):
         graphopt.optimize(once, x, mode="training")
+
+
+def test_a_model_without_parameters_is_fine() -> None:
+    model = nn.Sequential(nn.ReLU(), nn.MaxPool2d(2))
+    x = torch.randn(2, 3, 6, 6)
+    optimized = graphopt.optimize(model, x)
+    torch.testing.assert_close(optimized(x), model(x))
+    assert all(not p.rewrites for p in optimized.graphopt_report.passes)
