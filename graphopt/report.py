@@ -113,11 +113,8 @@ class Report:
         raise KeyError(f"no pass named {pass_name!r} ran; ran: {', '.join(p.name for p in self.passes) or 'none'}")
 
     @property
-    def total_rewrites(self) -> int:
-        return sum(len(p.rewrites) for p in self.passes)
-
-    @property
     def max_error(self) -> float | None:
+        """The largest error any pass left (the final graph's, since errors are measured against the original)."""
         errors = [p.max_error for p in self.passes if p.max_error is not None]
         return max(errors) if errors else None
 
