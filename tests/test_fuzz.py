@@ -326,3 +326,10 @@ def test_linear_then_non_affine_batch_norm(frontend: str) -> None:
     # fold_conv_bn handed the BatchNorm's missing weight (None) to fuse_linear_bn_weights
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, affine=False)).eval()
     check_optimize(model, torch.randn(2, 4), "inference", frontend, "preserve", "fp32")
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_op_without_a_low_precision_kernel_runs_in_fp32(frontend: str) -> None:
+    # found by `make fuzz`: a bf16 conv3d output fed avg_pool3d, which has no bf16 CPU kernel
+    model = nn.Sequential(nn.Conv3d(1, 3, 1, bias=False), nn.AvgPool3d(2)).train()
+    check_optimize(model, torch.randn(2, 1, 4, 4, 4), "training", frontend, "preserve", "bf16")

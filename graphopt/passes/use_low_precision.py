@@ -19,6 +19,7 @@ Policy (override with ``optimize(..., low_precision_ops=..., fp32_ops=...)``):
 | batch_norm | as its input | its kernels take low-precision input with fp32 statistics |
 | other ops reading fp32 parameters (unknown modules, layer scales) | fp32 | the parameters stay fp32 |
 | everything else (pointwise, pooling, reshapes) | as its inputs | mixed inputs promote to fp32 |
+| ops with no low-precision kernel on the device (avg_pool3d in bf16 on CPU) | fp32 | found when planning |
 
 Casts are planned by running the graph on the example inputs with the planned casts
 applied, so every cast is needed and none is missing; each value is cast once per dtype
@@ -73,12 +74,27 @@ class _PrecisionPlanner(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         wanted = self.wanted.get(n)
-        if wanted is None and n.op in ("call_module", "call_function", "call_method") and not n.meta.get(CAST):
-            if any(_floating(self.env.get(a)) and self.env[a].dtype == self.low for a in n.all_input_nodes):
-                # BatchNorm kernels take low-precision input with fp32 statistics and parameters
-                if batch_norm_view(self.module, n) is None and _reads_fp32_parameters(self.module, n):
-                    wanted = torch.float32
-        saved = {}
+        reads_low = any(_floating(self.env.get(a)) and self.env[a].dtype == self.low for a in n.all_input_nodes)
+        computes = n.op in ("call_module", "call_function", "call_method") and not n.meta.get(CAST)
+        # BatchNorm kernels take low-precision input with fp32 statistics and parameters
+        if wanted is None and computes and reads_low and batch_norm_view(self.module, n) is None and _reads_fp32_parameters(self.module, n):
+            wanted = torch.float32
+        try:
+            result = self._run_with(n, wanted)
+        except (NotImplementedError, RuntimeError):
+            if not (wanted is None and computes and reads_low):
+                raise
+            # no low-precision kernel for this op on this device (e.g. avg_pool3d in bf16 on CPU): fp32 it is
+            result = self._run_with(n, torch.float32)
+        self._count_flops(n, result)
+        if isinstance(result, torch.Tensor):
+            n.meta["graphopt_dtype"] = result.dtype
+        return result
+
+    def _run_with(self, n: fx.Node, wanted: torch.dtype | None) -> Any:
+        """Run ``n`` with its floating inputs cast to ``wanted`` (planning those casts), or as they are."""
+        saved: dict[fx.Node, Any] = {}
+        planned: list[tuple[fx.Node, torch.dtype]] = []
         if wanted is not None:
             for arg in n.all_input_nodes:
                 value = self.env.get(arg)
@@ -88,14 +104,13 @@ class _PrecisionPlanner(fx.Interpreter):
                     continue  # fp32 ops only lift low-precision inputs (fp64 stays fp64)
                 saved[arg] = value
                 self.env[arg] = value.to(wanted)
-                self.casts.setdefault((arg, wanted), []).append(n)
+                planned.append((arg, wanted))
         try:
             result = super().run_node(n)
         finally:
             self.env.update(saved)
-        self._count_flops(n, result)
-        if isinstance(result, torch.Tensor):
-            n.meta["graphopt_dtype"] = result.dtype
+        for key in planned:  # only once the op ran with them
+            self.casts.setdefault(key, []).append(n)
         return result
 
     def _count_flops(self, n: fx.Node, result: Any) -> None:
