@@ -9,6 +9,7 @@ the ``graphopt/lint/rules_*.py`` modules. It reports AST nodes; a match may carr
 from __future__ import annotations
 
 import ast
+import operator
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -112,6 +113,47 @@ def is_constant(node: ast.AST | None, value: Any) -> bool:
 
 def calls(tree: ast.AST) -> Iterator[ast.Call]:
     return (node for node in ast.walk(tree) if isinstance(node, ast.Call))
+
+
+_LOADER_POSITIONS = {"batch_size": 1, "num_workers": 5, "pin_memory": 7}  # DataLoader's positional order
+
+
+def dataloader_calls(tree: ast.AST) -> Iterator[ast.Call]:
+    """Every ``DataLoader(...)`` call, whatever the dotted form (``torch.utils.data.DataLoader``, ``data.DataLoader``)."""
+    return (call for call in calls(tree) if call_name(call).split(".")[-1] == "DataLoader")
+
+
+def unpacks(call: ast.Call) -> bool:
+    """Whether ``call`` passes ``*args`` or ``**kwargs``: then its settings cannot be read from the source."""
+    return any(isinstance(arg, ast.Starred) for arg in call.args) or any(k.arg is None for k in call.keywords)
+
+
+def loader_setting(call: ast.Call, name: str) -> ast.expr | None:
+    """The value a DataLoader call passes for ``name``, by keyword or by position, or None."""
+    value = keyword(call, name)
+    position = _LOADER_POSITIONS.get(name)
+    if value is None and position is not None and len(call.args) > position:
+        value = call.args[position]
+    return value
+
+
+_OPERATORS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
+
+
+def constant_int(node: ast.AST | None) -> int | None:
+    """The value of an int literal or of constant arithmetic on them (``64 * 7 * 7``), else None."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = constant_int(node.left), constant_int(node.right)
+        if left is not None and right is not None and not (isinstance(node.op, ast.FloorDiv) and right == 0):
+            return _OPERATORS[type(node.op)](left, right)
+    return None
 
 
 _CONV = re.compile(r"(Lazy)?Conv(Transpose)?[123]d|conv(_transpose)?[123]d")

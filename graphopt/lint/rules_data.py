@@ -5,32 +5,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from graphopt.lint.core import Facts, Match, add_keyword, call_name, calls, is_constant, keyword, replace_node, rule
+from graphopt.lint.core import Facts, Match, add_keyword, dataloader_calls, is_constant, keyword, loader_setting, replace_node, rule, unpacks
 
 # Where DataLoader takes these settings positionally:
 # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory, ...)
-_POSITIONS = {"num_workers": 5, "pin_memory": 7}
-
-
-def dataloader_calls(tree: ast.AST) -> Iterator[ast.Call]:
-    """Every ``DataLoader(...)`` call, whatever the dotted form (``torch.utils.data.DataLoader``, ``data.DataLoader``)."""
-    return (call for call in calls(tree) if call_name(call).split(".")[-1] == "DataLoader")
-
-
-def unpacks(call: ast.Call) -> bool:
-    """Whether ``call`` passes ``*args`` or ``**kwargs``: then its settings cannot be read from the source."""
-    return any(isinstance(arg, ast.Starred) for arg in call.args) or any(k.arg is None for k in call.keywords)
-
-
-def loader_setting(call: ast.Call, name: str) -> ast.expr | None:
-    """The value a DataLoader call passes for ``name``, by keyword or by position, or None."""
-    value = keyword(call, name)
-    position = _POSITIONS.get(name)
-    if value is None and position is not None and len(call.args) > position:
-        value = call.args[position]
-    return value
-
-
 @rule(
     "GO101",
     "dataloader-workers",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from graphopt.lint.core import Edit, Facts, Match, add_keyword, call_name, calls, is_constant, keyword, rule
-from graphopt.lint.rules_data import dataloader_calls, loader_setting
+from graphopt.lint.core import Edit, Facts, Match, add_keyword, call_name, calls, dataloader_calls, is_constant, keyword, loader_setting, rule
 
 
 @rule(

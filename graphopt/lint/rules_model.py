@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import ast
 import itertools
-import operator
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from graphopt.lint.core import Edit, Facts, Match, call_name, calls, keyword, replace_node, rule
+from graphopt.lint.core import Edit, Facts, Match, call_name, calls, constant_int, keyword, loader_setting, replace_node, rule
 
 _CONV = re.compile(r"Conv(Transpose)?[123]d")
 _BATCH_NORM = re.compile(r"BatchNorm[123]d")
@@ -100,25 +99,6 @@ def conv_bias_before_bn(tree: ast.Module, facts: Facts) -> Iterator[Match]:
                 yield Match(conv, f"{_last_name(conv)} with a bias feeds {_last_name(norm)}: the bias is cancelled, pass bias=False", edit)
 
 
-_OPERATORS: dict[type, Callable[[int, int], int]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-}
-
-
-def _constant_int(node: ast.AST | None) -> int | None:
-    """The value of an int literal or of constant arithmetic on them (``64 * 7 * 7``), else None."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        left, right = _constant_int(node.left), _constant_int(node.right)
-        if left is not None and right is not None and not (isinstance(node.op, ast.FloorDiv) and right == 0):
-            return _OPERATORS[type(node.op)](left, right)
-    return None
-
-
 _SIZE_ARGUMENTS = {
     "conv": ("in_channels", "out_channels"),
     "linear": ("in_features", "out_features"),
@@ -130,7 +110,7 @@ def _sizes(call: ast.Call, kind: str) -> list[tuple[str, int]]:
     """The literal (argument name, value) pairs of a conv's channels or a linear layer's features."""
     found = []
     for position, name in enumerate(_SIZE_ARGUMENTS[kind]):
-        value = _constant_int(keyword(call, name) or (call.args[position] if len(call.args) > position else None))
+        value = constant_int(keyword(call, name) or (call.args[position] if len(call.args) > position else None))
         if value is not None:
             found.append((name, value))
     return found
@@ -155,8 +135,7 @@ def channels_not_multiple_of_8(tree: ast.Module, facts: Facts) -> Iterator[Match
         for call in sorted(calls(statement), key=lambda c: (c.lineno, c.col_offset)):
             name = _last_name(call)
             if name == "DataLoader":
-                size = keyword(call, "batch_size") or (call.args[1] if len(call.args) > 1 else None)
-                value = _constant_int(size)
+                value = constant_int(loader_setting(call, "batch_size"))
                 if value is not None and value % 8:
                     yield Match(call, f"DataLoader batch_size={value} is not a multiple of 8: tensor cores pad it")
                 continue

@@ -7,7 +7,7 @@ import builtins
 import re
 from collections.abc import Iterator
 
-from graphopt.lint.core import Facts, Match, call_name, calls, is_constant, keyword, replace_node, rule
+from graphopt.lint.core import Facts, Match, call_name, calls, constant_int, dataloader_calls, is_constant, keyword, loader_setting, replace_node, rule
 
 
 @rule(
@@ -358,15 +358,6 @@ def no_autocast(tree: ast.Module, facts: Facts) -> Iterator[Match]:
 _SMALL_BATCH = 16
 
 
-def _batch_size(call: ast.Call) -> ast.expr | None:
-    """The ``batch_size`` argument of a DataLoader call (keyword, or the second positional)."""
-    return keyword(call, "batch_size") or (call.args[1] if len(call.args) > 1 else None)
-
-
-def _literal_int(node: ast.AST | None) -> int | None:
-    return node.value if isinstance(node, ast.Constant) and type(node.value) is int else None
-
-
 def _assigned_name(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> str:
     """``train_loader`` for ``train_loader = DataLoader(...)`` or ``self.train_loader = ...``; else ""."""
     parent = parents.get(call)
@@ -396,10 +387,8 @@ def tiny_batch_steps(tree: ast.Module, facts: Facts) -> Iterator[Match]:
     ]
     if not steps or any(_modulo_guarded(call, loop, parents) for call, loop in steps):
         return  # no optimizer step in a training loop, or the steps accumulate gradients
-    for call in calls(tree):
-        if call_name(call).split(".")[-1] != "DataLoader":
-            continue
-        size = _literal_int(_batch_size(call))
+    for call in dataloader_calls(tree):
+        size = constant_int(loader_setting(call, "batch_size"))
         if size is None or size >= _SMALL_BATCH:
             continue
         if _eval_named(_assigned_name(call, parents)):
