@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from graphopt.backends.fuse_compile import FUSE_BACKENDS, FusedRegion, compile_graph, compile_regions
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
@@ -39,6 +40,8 @@ class OptimizedModule(nn.Module):
       (e.g. as distillation targets) or updated in place later. Set
       ``module.inference_mode = False`` to run under ``torch.no_grad()`` instead; that is
       the default when the graph writes stored state.
+    - ``fuse="graph"``: forward runs the torch.compile'd graph (``graph_module`` stays the
+      eager graph, for export and inspection).
     - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
       removed dropout would train wrongly); a graph captured by torch.export has its
       train/eval behaviour fixed, so switching its mode raises too.
@@ -46,10 +49,11 @@ class OptimizedModule(nn.Module):
 
     graph_module: fx.GraphModule
 
-    def __init__(self, graph_module: fx.GraphModule, report: Report) -> None:
+    def __init__(self, graph_module: fx.GraphModule, report: Report, runner: FusedRegion | None = None) -> None:
         super().__init__()
         # Share, don't register: registering would prefix every state_dict key with "graph_module.".
         object.__setattr__(self, "graph_module", graph_module)
+        object.__setattr__(self, "_runner", runner if runner is not None else graph_module)
         self._modules = graph_module._modules
         self._parameters = graph_module._parameters
         self._buffers = graph_module._buffers
@@ -68,9 +72,9 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.graphopt_report.mode == "training":
-            return self.graph_module(*args, **kwargs)
+            return self._runner(*args, **kwargs)
         with torch.inference_mode() if self.inference_mode else torch.no_grad():
-            return self.graph_module(*args, **kwargs)
+            return self._runner(*args, **kwargs)
 
     def train(self, mode: bool = True) -> OptimizedModule:
         report = self.graphopt_report
@@ -158,6 +162,7 @@ def optimize(
     precision: str = "fp32",
     low_precision_ops: Iterable[str] | None = None,
     fp32_ops: Iterable[str] | None = None,
+    fuse: str | None = None,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -184,6 +189,11 @@ def optimize(
             numerics, verified with the low dtype's tolerance).
         low_precision_ops, fp32_ops: override the op families of the precision policy
             (names: see ``graphopt.passes.use_low_precision``).
+        fuse: ``None`` (no fusion), ``"inductor"`` (regions of connected pointwise ops
+            compiled by torch.compile), ``"torchscript"`` (the same regions scripted with
+            torch.jit.script, deprecated by PyTorch) or ``"graph"`` (the whole optimized
+            graph handed to torch.compile). Compiled during ``optimize``; a region whose
+            backend fails stays eager, with the reason in ``report.fusion``.
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
@@ -193,7 +203,9 @@ def optimize(
     resolved_mode = _resolve_mode(mode, model)
     low_dtype = check_precision(precision, model)
     low_ops, kept_ops = _precision_policy(low_precision_ops, fp32_ops)
-    infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype)
+    if fuse is not None and fuse not in FUSE_BACKENDS:
+        raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
+    infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype, fuse)
     check_frontend(frontend)  # every option is checked before the costly steps below
     args = check_inputs(model, example_inputs)
     try:
@@ -227,11 +239,20 @@ def optimize(
     )
     report.captured_nodes = snapshot(gm.graph)
     gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
-    return OptimizedModule(gm, report)
+    runner = None
+    if fuse is not None:
+        # compiled code is specific to the autograd mode: compile for the one forward will run in
+        inference = resolved_mode == "inference" and not _updates_state(gm)
+        run_context = torch.inference_mode if inference else torch.enable_grad if resolved_mode == "training" else torch.no_grad
+        if fuse == "graph":
+            runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
+        else:
+            report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
+    return OptimizedModule(gm, report, runner)
 
 
 def _select_passes(
-    mode: Mode, passes: Sequence[str] | None, disable: Iterable[str], memory_format: str, low_dtype: torch.dtype | None
+    mode: Mode, passes: Sequence[str] | None, disable: Iterable[str], memory_format: str, low_dtype: torch.dtype | None, fuse: str | None = None
 ) -> list[PassInfo]:
     """The passes to run: the preset (or ``passes``) shaped by the memory-format and precision options."""
     if memory_format not in MEMORY_FORMATS:
@@ -253,7 +274,11 @@ def _select_passes(
         # opt-in: lower precision after the exact rewrites, before the layout is chosen
         position = next((i for i, info in enumerate(infos) if info.name == "to_channels_last"), len(infos))
         infos.insert(position, REGISTRY["use_low_precision"])
-    return infos
+    regions = [info for info in infos if info.name == "extract_pointwise_regions"]
+    if fuse in ("inductor", "torchscript") and "extract_pointwise_regions" not in disabled:
+        regions = regions or [REGISTRY["extract_pointwise_regions"]]
+    # regions last: they are made of the final graph's ops, and other passes do not look inside them
+    return [info for info in infos if info.name != "extract_pointwise_regions"] + regions
 
 
 def _output_tolerance(expected: Any, compute_dtype: torch.dtype | None) -> float | None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
+from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.backends.onnx_export import export_onnx
 from graphopt.diff import diff as graph_diff_of
 from graphopt.lint import check_source, fix_source
@@ -124,6 +125,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         memory_format=args.memory_format,
         keep_channels_last_outputs=args.keep_channels_last_outputs,
         precision=args.precision,
+        fuse=args.fuse,
     )
     print(optimized.graphopt_report)
     if args.report:
@@ -249,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--keep-channels-last-outputs", action="store_true", help="leave 4-D outputs in channels_last")
     run.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16/fp16: conv, linear, matmul in low precision (opt-in)")
+    run.add_argument("--fuse", choices=FUSE_BACKENDS, default=None, help="compile pointwise regions (inductor, torchscript) or the whole graph")
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")

@@ -14,6 +14,7 @@ compare targets themselves: a new spelling of an op is added here, once.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -680,3 +681,123 @@ def precision_family(gm: fx.GraphModule, node: fx.Node) -> str | None:
         if _matches(gm, node, family.methods, family.targets, family.modules):
             return name
     return None
+
+
+# --------------------------------------------------------------------------- pointwise
+
+_POINTWISE_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.abs, torch.exp, torch.sqrt, torch.rsqrt,
+    torch.pow, torch.clamp, torch.clip, torch.maximum, torch.minimum, torch.where, torch.erf, torch.reciprocal,
+    torch.relu, torch.sigmoid, torch.tanh,
+    F.relu, F.relu6, F.gelu, F.silu, F.mish, F.hardswish, F.hardsigmoid, F.hardtanh, F.leaky_relu, F.elu,
+    F.softplus, F.sigmoid, F.tanh,
+})  # fmt: skip
+_POINTWISE_METHODS = frozenset({
+    "add", "sub", "mul", "div", "neg", "abs", "exp", "sqrt", "rsqrt", "pow", "clamp", "clip", "erf", "reciprocal",
+    "relu", "sigmoid", "tanh",
+})  # fmt: skip
+_UNTAGGED_POINTWISE_ATEN = frozenset({aten.hardswish.default})  # elementwise, though not tagged pointwise
+_CAST_METHODS = frozenset({"float", "half", "bfloat16", "double"})
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _activation(function: Any, **attributes: str) -> Any:
+    """How an activation module calls its functional form: (function, kwargs read from the module)."""
+    return lambda module: (function, {name: getattr(module, attribute) for name, attribute in attributes.items()})
+
+
+# Activation modules and the functional call each makes. Looked up by exact type: a subclass may override forward.
+_ACTIVATION_MODULES: dict[type, Any] = {
+    nn.ReLU: _activation(F.relu),
+    nn.ReLU6: _activation(F.relu6),
+    nn.GELU: _activation(F.gelu, approximate="approximate"),
+    nn.SiLU: _activation(F.silu),
+    nn.Mish: _activation(F.mish),
+    nn.Hardswish: _activation(F.hardswish),
+    nn.Hardsigmoid: _activation(F.hardsigmoid),
+    nn.Hardtanh: _activation(F.hardtanh, min_val="min_val", max_val="max_val"),
+    nn.LeakyReLU: _activation(F.leaky_relu, negative_slope="negative_slope"),
+    nn.ELU: _activation(F.elu, alpha="alpha"),
+    nn.Sigmoid: _activation(torch.sigmoid),
+    nn.Tanh: _activation(torch.tanh),
+}
+
+
+@dataclass(frozen=True)
+class PointwiseView:
+    """An elementwise op: each output element depends only on the same element of its inputs.
+
+    ``in_place`` ops write their result into ``node.args[0]`` (``nn.ReLU(inplace=True)``,
+    ``F.relu(x, inplace=True)``, ``x.add_(y)``, ``aten.relu_``).
+    """
+
+    node: fx.Node
+    form: Form
+    in_place: bool
+
+    def to_function(self, gm: fx.GraphModule) -> None:
+        """Rewrite the op as an out-of-place ``call_function`` (activation modules become their functional form).
+
+        Only exact when nothing else reads the input after the op: the caller checks that.
+        """
+        node = self.node
+        if node.op == "call_module":
+            function, kwargs = _ACTIVATION_MODULES[type(gm.get_submodule(str(node.target)))](gm.get_submodule(str(node.target)))
+            node.op, node.target, node.kwargs = "call_function", function, kwargs
+        elif node.op == "call_function" and "inplace" in node.kwargs:
+            node.kwargs = {**node.kwargs, "inplace": False}
+        elif node.op == "call_function" and self.in_place:  # inplace passed positionally
+            args = list(node.args)
+            args[_parameter_names(node.target).index("inplace")] = False
+            node.args = tuple(args)
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """A dtype-only conversion: ``x.to(dtype)``, ``x.float()``, ``aten._to_copy(x, dtype=...)``."""
+    if node.op == "call_method" and node.target in _CAST_METHODS:
+        return len(node.args) == 1 and not node.kwargs
+    if node.op == "call_method" and node.target == "to":
+        return len(node.args) == 2 and node.args[1] in _FLOAT_DTYPES and not node.kwargs
+    if node.op == "call_function" and node.target in (aten._to_copy.default, aten.to.dtype):
+        return set(node.kwargs) <= {"dtype"} and len(node.args) <= (2 if node.target is aten.to.dtype else 1)
+    return False
+
+
+def pointwise_view(gm: fx.GraphModule, node: fx.Node) -> PointwiseView | None:
+    """A view of ``node`` when it is an elementwise op (activation, arithmetic, dtype cast), else ``None``.
+
+    The caller still checks that the op computes a tensor: ``operator.add`` also adds sizes.
+    """
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if type(module) not in _ACTIVATION_MODULES:
+            return None
+        return PointwiseView(node, "module", bool(getattr(module, "inplace", False)))
+    if node.op == "call_method":
+        if node.target in _POINTWISE_METHODS or _is_cast(node):
+            return PointwiseView(node, "function", False)
+        if isinstance(node.target, str) and node.target.endswith("_") and node.target[:-1] in _POINTWISE_METHODS:
+            return PointwiseView(node, "function", True)
+        return None
+    if node.op != "call_function":
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        if torch.Tag.pointwise in node.target.tags or node.target in _UNTAGGED_POINTWISE_ATEN or _is_cast(node):
+            return PointwiseView(node, "aten", node.target._schema.is_mutable)
+        return None
+    if node.target not in _POINTWISE_FUNCTIONS:
+        return None
+    in_place = node.kwargs.get("inplace") is True
+    names = _parameter_names(node.target)
+    if not in_place and "inplace" in names:
+        index = names.index("inplace")
+        in_place = len(node.args) > index and node.args[index] is True
+    return PointwiseView(node, "function", in_place)
+
+
+def _parameter_names(function: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # builtins such as torch.add have no Python signature
+        return ()

@@ -90,6 +90,44 @@ class PassReport:
 
 
 @dataclass
+class RegionReport:
+    """What the backend did with one pointwise region."""
+
+    name: str
+    ops: list[str]
+    backend: str
+    status: str  # "compiled", "shared" (reuses another region's artifact) or "eager" (backend failed)
+    compile_seconds: float = 0.0
+    compilations: int = 0  # how many times the backend compiled this region's artifact
+    shares_with: str = ""
+    reason: str = ""
+
+
+@dataclass
+class FusionReport:
+    """The fusion backend's work: one entry per region (one for the whole graph with ``"graph"``)."""
+
+    backend: str
+    regions: list[RegionReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(region.compile_seconds for region in self.regions)
+
+    def lines(self) -> list[str]:
+        compiled = sum(region.status != "eager" for region in self.regions)
+        artifacts = sum(region.status == "compiled" for region in self.regions)
+        summary = f"{compiled}/{len(self.regions)} regions compiled into {artifacts} artifacts in {self.compile_seconds:.2f}s"
+        lines = [f"fusion ({self.backend}): {summary}"]
+        lines += [f"    {note}" for note in self.notes]
+        for region in self.regions:
+            how = {"compiled": f"compiled in {region.compile_seconds:.2f}s", "shared": f"shares {region.shares_with}'s artifact"}
+            lines.append(f"    {region.name}: {', '.join(region.ops)}: {how.get(region.status, 'eager: ' + region.reason)}")
+        return lines
+
+
+@dataclass
 class Report:
     """What `graphopt.optimize` did to a model, pass by pass."""
 
@@ -101,6 +139,7 @@ class Report:
     verified: bool = True
     tolerance: float | None = None
     capture_seconds: float = 0.0
+    fusion: FusionReport | None = None  # optimize(fuse=...): what the fusion backend compiled
     # graph diffs, kept out of to_dict(): per pass (report.diffs["fold_conv_bn"]), and the
     # captured graph's nodes that graphopt.diff(optimized) compares the result with
     diffs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -161,6 +200,8 @@ class Report:
             lines += [f"    skipped {s.where}: {s.reason}" for s in p.skips]
         if not self.passes:
             lines.append("(no passes ran)")
+        if self.fusion is not None:
+            lines += self.fusion.lines()
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -174,4 +215,5 @@ class Report:
                 items = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in p.skips)
                 body.append(f'<tr><td colspan="6"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')
         notes = "".join(f"<p>{esc(n)}</p>" for n in self.notes)
-        return f"<div><p><b>{esc(self._header())}</b></p>{notes}<table><tr>{head}</tr>{''.join(body)}</table></div>"
+        fusion = f"<pre>{esc(chr(10).join(self.fusion.lines()))}</pre>" if self.fusion is not None else ""
+        return f"<div><p><b>{esc(self._header())}</b></p>{notes}<table><tr>{head}</tr>{''.join(body)}</table>{fusion}</div>"

@@ -50,7 +50,7 @@ def table_rows(out: str) -> dict[str, list[str]]:
     assert set(lines[header + 1].replace(" ", "")) == {"-"}, lines[header + 1]
     rows: dict[str, list[str]] = {}
     for line in lines[header + 2 :]:
-        if not line.strip() or line.startswith("report written") or line.startswith("(no passes ran)"):
+        if not line.strip() or line.startswith(("report written", "(no passes ran)", "fusion (")):
             break
         if line.startswith(" "):  # a skip reason under its pass
             continue
@@ -108,6 +108,13 @@ def test_optimize_in_training_mode_runs_drop_conv_bias(capsys: pytest.CaptureFix
     rows = table_rows(out)
     assert list(rows) == ["drop_conv_bias", "to_channels_last"]
     assert int(rows["drop_conv_bias"][0]) > 0
+
+
+def test_optimize_fuses_pointwise_regions(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--fuse", "torchscript")
+    assert code == 0, err
+    assert list(table_rows(out))[-1] == "extract_pointwise_regions"
+    assert "fusion (torchscript): 4/4 regions compiled" in out
 
 
 def test_optimize_runs_exactly_the_passes_given(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from graphopt.passes.base import MODES, Mode, PassContext, PassFunction, PassResult
 from graphopt.passes.drop_conv_bias import drop_conv_bias
+from graphopt.passes.extract_pointwise_regions import extract_pointwise_regions
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.passes.remove_dropout import remove_dropout
 from graphopt.passes.to_channels_last import to_channels_last
@@ -48,6 +49,12 @@ REGISTRY: dict[str, PassInfo] = {
             ("inference", "training"),
             "run conv/linear/matmul/attention in bf16 or fp16 and sensitive ops in fp32 (optimize(precision=...))",
             exact=False,
+        ),
+        PassInfo(
+            "extract_pointwise_regions",
+            extract_pointwise_regions,
+            ("inference", "training"),
+            "gather connected pointwise ops into regions that optimize(fuse=...) compiles into one kernel each",
         ),
     )
 }
