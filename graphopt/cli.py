@@ -16,8 +16,9 @@ import dataclasses
 import difflib
 import importlib
 import json
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,11 +225,11 @@ def _command_demo(args: argparse.Namespace) -> int:
     print(f"\nlatency, median of interleaved rounds on {torch.get_num_threads()} threads:")
     for name, seconds in latencies.items():
         print(f"  {name:<16} {seconds * 1e3:8.2f} ms   {eager / seconds:5.2f}x vs eager")
-    print("(a ratio, not a benchmark: run on a quiet machine; see `graphopt bench` when available)")
+    print("(a ratio, not a benchmark: run on a quiet machine; `graphopt bench` compares graphopt with eager, torch.compile and onnxruntime)")
     return 0
 
 
-def _bench_factory_model(args: argparse.Namespace, batch: int) -> Any:
+def _bench_factory_model(args: argparse.Namespace, batch: int) -> Callable[[str], BenchModel]:
     """Builds the `BenchModel` of a ``MODULE:FACTORY`` entry of --models, with the --input shapes."""
 
     def from_factory(reference: str) -> BenchModel:
@@ -245,15 +246,26 @@ def _bench_factory_model(args: argparse.Namespace, batch: int) -> Any:
     return from_factory
 
 
+def _bench_command_line(args: argparse.Namespace, settings: Settings, selection: str) -> str:
+    """The command that repeats this run, with the defaults it used spelled out."""
+    words = ["graphopt", "bench", "--models", selection, "--batch", str(settings.batch), "--device", settings.device]
+    words += ["--rounds", str(settings.rounds), "--warmup", str(settings.warmup)]
+    for option in ("low_precision", "variants", "exclude", "time_budget"):
+        if getattr(args, option) is not None:
+            words += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    for spec in args.input or ():
+        words += ["--input", spec]
+    return shlex.join(words)
+
+
 def _command_bench(args: argparse.Namespace) -> int:
     if args.list_variants:
         for variant in bench_variants(args.low_precision or "bf16"):
             print(f"{variant.key:<22} {variant.role:<9} {variant.label}")
         return 0
-    settings = Settings.quick() if args.quick else Settings()
     given = {name: getattr(args, name) for name in ("device", "batch", "rounds", "warmup", "low_precision") if getattr(args, name) is not None}
     settings = dataclasses.replace(
-        settings,
+        Settings.quick() if args.quick else Settings(),
         **given,
         variants=_split_names(args.variants),
         exclude=tuple(_split_names(args.exclude) or ()),
@@ -262,9 +274,7 @@ def _command_bench(args: argparse.Namespace) -> int:
     )
     selection = args.models or (QUICK_MODELS if args.quick else "reference")
     models = select_models(selection, settings.batch, _bench_factory_model(args, settings.batch))
-    options = [f"--models {selection}", f"--batch {settings.batch}", f"--device {settings.device}", f"--rounds {settings.rounds}", f"--warmup {settings.warmup}"]
-    options += [f"--{name.replace('_', '-')} {value}" for name, value in (("low_precision", args.low_precision), ("variants", args.variants), ("exclude", args.exclude), ("time_budget", args.time_budget)) if value is not None]
-    result = run_suite(models, settings, " ".join(["graphopt bench", *options, *(f"--input {spec}" for spec in args.input or ())]))
+    result = run_suite(models, settings, _bench_command_line(args, settings, selection))
     print()
     print(to_markdown(result))
     return 0 if any(model.error is None for model in result.models) else 1
@@ -344,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]", help="inputs of MODULE:FACTORY models (default BATCHx3x224x224)")
     bench.add_argument("--batch", type=_positive_int, help="batch size of the named models (default 8; --quick: 2)")
-    bench.add_argument("--device", help="auto (default: cuda when available), cpu or cuda")
+    bench.add_argument("--device", help="auto (default: cuda when available), cpu, cuda or cuda:N")
     bench.add_argument("--variants", metavar="PATTERNS", help="only these variant keys, shell-style, e.g. 'eager*,graphopt*' (see --list-variants)")
     bench.add_argument("--exclude", metavar="PATTERNS", help="leave out these variant keys, e.g. 'compile*'")
     bench.add_argument("--list-variants", action="store_true", help="list the variants and exit")

@@ -181,15 +181,16 @@ def write_plot(result: BenchResult, path: Path) -> str | None:
     labels = list(dict.fromkeys(v.label for model in models for v in model.variants))
     if not models or not labels:
         return "no plot: no model was timed"
-    figure, axes = plt.subplots(figsize=(max(6.0, 1.2 + 0.35 * len(labels) * len(models)), 4.8))
+    figure, axes = plt.subplots(figsize=(max(9.0, 4.0 + 0.3 * len(labels) * len(models)), 4.8))
     width = 0.8 / len(labels)
     for index, label in enumerate(labels):
         ratios = []
         for model in models:
             found = next((v for v in model.variants if v.label == label), None)
-            ratios.append(found.ratio if found is not None and found.ratio is not None else 0.0)
+            ratios.append(found.ratio if found is not None and found.ratio is not None else float("nan"))  # no bar
         positions = [m + (index - (len(labels) - 1) / 2) * width for m in range(len(models))]
         axes.bar(positions, ratios, width, label=label)
+    axes.set_yscale("log")  # ratios: 2x faster and 2x slower lie equally far from 1
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(models)), [model.name for model in models])
     axes.set_ylabel("speed-up over eager fp32 (median of per-round ratios)")

@@ -44,12 +44,11 @@ class Settings:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidOptionError("--device cuda: no CUDA device is available here; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidOptionError(f"--device {name}: the benchmark runs on cpu or cuda")
-    return device
+    if name.partition(":")[0] not in ("cpu", "cuda"):
+        raise InvalidOptionError(f"--device {name}: the benchmark runs on auto, cpu, cuda or cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidOptionError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    return torch.device(name)
 
 
 def default_low_precision(device: torch.device) -> str:

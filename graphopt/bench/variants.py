@@ -114,7 +114,8 @@ def _graphopt(**options: Any) -> Callable[[Setup], Runner]:
 
     def build(setup: Setup) -> Runner:
         accepted = inspect.signature(graphopt.optimize).parameters
-        missing = [name for name in options if name not in accepted]
+        takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in accepted.values())
+        missing = [] if takes_any else [name for name in options if name not in accepted]
         if missing:
             raise VariantSkipped(f"graphopt.optimize does not accept {', '.join(f'{name}=' for name in missing)} yet")
         resolved = {name: setup.low_precision if value == "low" else value for name, value in options.items()}
