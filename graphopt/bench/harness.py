@@ -343,6 +343,7 @@ class Harness:
                 self.log(f"{spec.name}: {variant.label}: {status}")
             if runners:
                 self._time(runners, result)
+        torch.compiler.reset()  # the next model starts with empty compile caches
         return result
 
     def _prepare(self, variant: Variant, setup: Setup, outcome: VariantResult, runners: dict[str, Runner]) -> Any:

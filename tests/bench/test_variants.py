@@ -50,10 +50,8 @@ def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None
     with torch.inference_mode():
         expected = setup.model(*setup.inputs)
         output = BY_KEY[key].build(setup)()
-        again = BY_KEY[key].build(setup)()  # a second build works too (e.g. files already there)
     low_precision = "amp" in key or "low" in key
     assert relative_error(expected, output) < TOLERANCES["low" if low_precision else "fp32"]
-    assert relative_error(output, again) < TOLERANCES["low" if low_precision else "fp32"]
     assert model_state(setup.model) == before, f"{key} changed the shared model"
 
 
