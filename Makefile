@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test fuzz demo bench-compare clean
+.PHONY: venv test fuzz demo bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -27,9 +27,22 @@ fuzz: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/graphopt demo
 
-# Eager fp32, channels_last and bf16 autocast vs graphopt on the reference models (run on a quiet machine).
-bench-compare: $(STAMP)
-	$(PY) -m graphopt.bench.compare
+# The benchmark's extra dependencies (matplotlib for the plot, psutil for memory and load).
+BENCH_STAMP := $(VENV)/.graphopt-bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# graphopt vs eager, torch.compile, fx/jit and onnxruntime on the reference models, batch 8 (run on a quiet
+# machine); writes bench-results/bench.{json,md,png}. BENCH_ARGS adds options, e.g. BENCH_ARGS="--models anchors".
+bench: $(BENCH_STAMP)
+	$(VENV)/bin/graphopt bench --models reference --batch 8 $(BENCH_ARGS)
+
+# The same on one CUDA GPU, within 8 minutes: no variant starts after 5 minutes, and the JSON is written after each model.
+bench-gpu: $(BENCH_STAMP)
+	timeout 470 $(VENV)/bin/graphopt bench --device cuda --models reference --batch 64 --time-budget 5 \
+		--output-dir bench-results/gpu $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

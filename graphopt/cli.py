@@ -5,17 +5,20 @@
     graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html]
     graphopt lint train.py [--fix] [--format json]
     graphopt demo [--model resnet]
+    graphopt bench [--models reference|anchors|NAME,...|MODULE:FACTORY] [--quick] [--output-dir DIR]
     graphopt passes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib
 import json
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,11 @@ import torch.nn as nn
 from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.backends.onnx_export import export_onnx
+from graphopt.bench.harness import BenchModel
+from graphopt.bench.models import select_models
+from graphopt.bench.results import to_markdown
+from graphopt.bench.suite import QUICK_MODELS, Settings, run_suite
+from graphopt.bench.variants import variants as bench_variants
 from graphopt.diff import diff as graph_diff_of
 from graphopt.lint import check_source, fix_source
 from graphopt.timing import median_latencies
@@ -219,8 +227,59 @@ def _command_demo(args: argparse.Namespace) -> int:
     print(f"\nlatency, median of interleaved rounds on {torch.get_num_threads()} threads:")
     for name, seconds in latencies.items():
         print(f"  {name:<16} {seconds * 1e3:8.2f} ms   {eager / seconds:5.2f}x vs eager")
-    print("(a ratio, not a benchmark: run on a quiet machine; see `graphopt bench` when available)")
+    print("(a ratio, not a benchmark: run on a quiet machine; `graphopt bench` compares graphopt with eager, torch.compile and onnxruntime)")
     return 0
+
+
+def _bench_factory_model(args: argparse.Namespace, batch: int) -> Callable[[str], BenchModel]:
+    """Builds the `BenchModel` of a ``MODULE:FACTORY`` entry of --models, with the --input shapes."""
+
+    def from_factory(reference: str) -> BenchModel:
+        load_factory(reference)  # fail now, with a clear message, rather than in the middle of the run
+        specs = args.input or [f"{batch}x3x224x224"]
+
+        def inputs() -> tuple[torch.Tensor, ...]:
+            generator = torch.Generator().manual_seed(0)
+            return tuple(parse_input_spec(spec, generator) for spec in specs)
+
+        inputs()  # checks the --input specs
+        return BenchModel(reference, lambda: load_factory(reference), inputs)
+
+    return from_factory
+
+
+def _bench_command_line(args: argparse.Namespace, settings: Settings, selection: str) -> str:
+    """The command that repeats this run, with the defaults it used spelled out."""
+    words = ["graphopt", "bench", "--models", selection, "--batch", str(settings.batch), "--device", settings.device]
+    words += ["--rounds", str(settings.rounds), "--warmup", str(settings.warmup)]
+    for option in ("low_precision", "variants", "exclude", "time_budget"):
+        if getattr(args, option) is not None:
+            words += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    for spec in args.input or ():
+        words += ["--input", spec]
+    return shlex.join(words)
+
+
+def _command_bench(args: argparse.Namespace) -> int:
+    if args.list_variants:
+        for variant in bench_variants(args.low_precision or "bf16"):
+            print(f"{variant.key:<22} {variant.role:<9} {variant.label}")
+        return 0
+    given = {name: getattr(args, name) for name in ("device", "batch", "rounds", "warmup", "low_precision") if getattr(args, name) is not None}
+    settings = dataclasses.replace(
+        Settings.quick() if args.quick else Settings(),
+        **given,
+        variants=_split_names(args.variants),
+        exclude=tuple(_split_names(args.exclude) or ()),
+        time_budget_s=None if args.time_budget is None else args.time_budget * 60,
+        output_dir=Path(args.output_dir),
+    )
+    selection = args.models or (QUICK_MODELS if args.quick else "reference")
+    models = select_models(selection, settings.batch, _bench_factory_model(args, settings.batch))
+    result = run_suite(models, settings, _bench_command_line(args, settings, selection))
+    print()
+    print(to_markdown(result))
+    return 0 if any(model.error is None for model in result.models) else 1
 
 
 def _command_passes(args: argparse.Namespace) -> int:
@@ -291,6 +350,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=sorted(REFERENCE_MODELS), default="resnet")
     demo.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's example batch)")
     demo.set_defaults(handler=_command_demo)
+
+    bench = commands.add_parser("bench", help="time eager PyTorch, graphopt and its peers side by side; write JSON, markdown and a plot")
+    bench.add_argument(
+        "--models", metavar="SELECTION", help="reference (default), anchors, model names or MODULE:FACTORY, comma-separated"
+    )
+    bench.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]", help="inputs of MODULE:FACTORY models (default BATCHx3x224x224)")
+    bench.add_argument("--batch", type=_positive_int, help="batch size of the named models (default 8; --quick: 2)")
+    bench.add_argument("--device", help="auto (default: cuda when available), cpu, cuda or cuda:N")
+    bench.add_argument("--variants", metavar="PATTERNS", help="only these variant keys, shell-style, e.g. 'eager*,graphopt*' (see --list-variants)")
+    bench.add_argument("--exclude", metavar="PATTERNS", help="leave out these variant keys, e.g. 'compile*'")
+    bench.add_argument("--list-variants", action="store_true", help="list the variants and exit")
+    bench.add_argument("--rounds", type=_positive_int, help="interleaved timing rounds (default 20; --quick: 2)")
+    bench.add_argument("--warmup", type=int, help="warm-up calls per variant after the first (default 3; --quick: 1)")
+    bench.add_argument("--low-precision", choices=("bf16", "fp16"), help="dtype of the autocast/low-precision variants (default: bf16 where supported)")
+    bench.add_argument("--time-budget", type=float, metavar="MINUTES", help="start no variant after this many minutes (the rest is listed as skipped)")
+    bench.add_argument("--output-dir", default="bench-results", metavar="DIR", help="where bench.json, bench.md and bench.png go")
+    bench.add_argument("--quick", action="store_true", help="smoke run for CI: tiny batch, 2 rounds, the smallest model; figures mean nothing")
+    bench.set_defaults(handler=_command_bench)
 
     passes = commands.add_parser("passes", help="list the available passes")
     passes.set_defaults(handler=_command_passes)

@@ -13,21 +13,40 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def median_latencies(
+def wall_clock_seconds(run: Callable[[], Any]) -> float:
+    """Seconds one call of ``run`` takes on the host's monotonic clock."""
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def interleaved_samples(
     variants: Mapping[str, Callable[[], Any]],
     rounds: int = 20,
     warmup: int = 3,
-) -> dict[str, float]:
-    """Median seconds per call of each zero-argument callable, measured interleaved."""
+    measure: Callable[[Callable[[], Any]], float] = wall_clock_seconds,
+) -> dict[str, list[float]]:
+    """Seconds of each call, per variant, one call per variant per round (A B C A B C ...).
+
+    ``measure`` times one call (the CUDA benchmark passes one that uses CUDA events).
+    """
     for run in variants.values():
         for _ in range(warmup):
             run()
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, run in variants.items():
-            started = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - started)
+            samples[name].append(measure(run))
+    return samples
+
+
+def median_latencies(
+    variants: Mapping[str, Callable[[], Any]],
+    rounds: int = 20,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Median seconds per call of each zero-argument callable, measured interleaved."""
+    samples = interleaved_samples(variants, rounds, warmup)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

@@ -1,5 +1,26 @@
-"""Benchmark harness: latency measured the same way for every variant, as ratios."""
+"""The benchmark suite behind ``graphopt bench``: variants measured side by side, as ratios.
 
-from graphopt.timing import median_latencies
+- `variants`: the ways of running a model (eager, graphopt presets, torch.compile,
+  fx/jit optimize_for_inference, onnxruntime), one line each.
+- `harness`: builds each variant, then times them interleaved in one process.
+- `results`: the measurements, as JSON, markdown and a PNG plot.
+- `models`: which models to run (reference, anchors, names, MODULE:FACTORY).
+- `suite`: settings and the end-to-end run the command line calls.
+"""
 
-__all__ = ["median_latencies"]
+from graphopt.bench.harness import BenchModel, Harness
+from graphopt.bench.results import BenchResult, ModelResult, VariantResult
+from graphopt.bench.suite import Settings, run_suite
+from graphopt.bench.variants import Variant, VariantSkipped
+
+__all__ = [
+    "BenchModel",
+    "BenchResult",
+    "Harness",
+    "ModelResult",
+    "Settings",
+    "Variant",
+    "VariantResult",
+    "VariantSkipped",
+    "run_suite",
+]

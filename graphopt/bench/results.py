@@ -1,0 +1,202 @@
+"""What a benchmark run measured, and its renderings: JSON, a markdown table and a PNG plot.
+
+Ratios are computed per round (eager fp32's time in that round / the variant's time in
+the same round) and the median of those is reported: a round is a few consecutive
+calls, so a burst of foreign load slows numerator and denominator alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FOREIGN_CPU_WARNING = 0.25  # cores kept busy by other processes while timing, on average
+
+
+@dataclass
+class VariantResult:
+    """One variant of one model: status, timings and numerics."""
+
+    key: str
+    label: str
+    role: str  # "baseline", "graphopt" or "peer"
+    status: str = "ok"  # "ok", "failed" or "skipped"
+    reason: str | None = None  # why it failed or was skipped
+    setup_s: float | None = None  # building it (optimize, compile, export) plus its first call
+    peak_memory_mb: float | None = None  # see BenchResult.memory_method
+    max_error: float | None = None  # max |out - eager fp32| / max |eager fp32| over all outputs
+    samples_ms: list[float] = field(default_factory=list)  # one per round
+    round_ratios: list[float] = field(default_factory=list)  # eager fp32 / this variant, per round
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.samples_ms) if self.samples_ms else None
+
+    @property
+    def ratio(self) -> float | None:
+        """Speed-up over eager fp32: the median of the per-round ratios (higher is faster)."""
+        return statistics.median(self.round_ratios) if self.round_ratios else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "median_ms": self.median_ms, "ratio_vs_eager": self.ratio}
+
+
+@dataclass
+class ModelResult:
+    """Every variant of one model, timed together."""
+
+    name: str
+    input_shapes: list[list[int]]
+    variants: list[VariantResult] = field(default_factory=list)
+    error: str | None = None  # the model could not be built or run eagerly
+    foreign_cpu: float | None = None  # cores other processes kept busy while timing (None: unknown)
+    warnings: list[str] = field(default_factory=list)
+
+    def timed(self, role: str) -> list[VariantResult]:
+        return [v for v in self.variants if v.role == role and v.samples_ms]
+
+    def fastest(self, role: str) -> VariantResult | None:
+        candidates = self.timed(role)
+        return min(candidates, key=lambda v: v.median_ms or 0.0) if candidates else None
+
+    @property
+    def graphopt_vs_best_peer(self) -> float | None:
+        """Fastest peer's time / fastest graphopt variant's time, median over rounds (>1: graphopt wins)."""
+        peer, ours = self.fastest("peer"), self.fastest("graphopt")
+        if peer is None or ours is None:
+            return None
+        return statistics.median(p / g for p, g in zip(peer.samples_ms, ours.samples_ms, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        peer, ours = self.fastest("peer"), self.fastest("graphopt")
+        return {
+            "name": self.name,
+            "input_shapes": self.input_shapes,
+            "error": self.error,
+            "foreign_cpu": self.foreign_cpu,
+            "warnings": self.warnings,
+            "best_peer": peer.key if peer else None,
+            "best_graphopt": ours.key if ours else None,
+            "graphopt_vs_best_peer": self.graphopt_vs_best_peer,
+            "variants": [variant.to_dict() for variant in self.variants],
+        }
+
+
+@dataclass
+class BenchResult:
+    """A whole run: where and how it was measured, and each model's results."""
+
+    command: str
+    machine: dict[str, Any]
+    settings: dict[str, Any]
+    memory_method: str
+    models: list[ModelResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def all_warnings(self) -> list[str]:
+        return self.warnings + [f"{model.name}: {warning}" for model in self.models for warning in model.warnings]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "command": self.command,
+            "machine": self.machine,
+            "settings": self.settings,
+            "memory_method": self.memory_method,
+            "warnings": self.all_warnings(),
+            "models": [model.to_dict() for model in self.models],
+        }
+
+
+def _number(value: float | None, form: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{form}}{suffix}"
+
+
+def to_markdown(result: BenchResult) -> str:
+    """The run as markdown: machine, command, warnings, a summary of ratios, one table per model."""
+    machine = result.machine
+    lines = [
+        f"Machine: {machine['cpu']} ({machine['cores']} cores, {machine['torch_threads']} torch threads), "
+        f"device {machine['device']}; torch {machine['torch']}, onnxruntime {machine['onnxruntime']}.",
+        "",
+        f"Command: `{result.command}`",
+        "",
+        f"Settings: batch as given per model, {result.settings['rounds']} interleaved rounds after "
+        f"{result.settings['warmup']} warm-up call(s); ratio = eager fp32 / variant, median of per-round ratios "
+        "(higher is faster).",
+        "",
+    ]
+    lines += [f"> **warning:** {warning}" for warning in result.all_warnings()]
+    summary = [model for model in result.models if model.error is None]
+    if summary:
+        lines += ["", "| model | best peer | best graphopt | graphopt vs best peer |", "|---|---|---|---|"]
+        for model in summary:
+            peer, ours = model.fastest("peer"), model.fastest("graphopt")
+            lines.append(
+                f"| {model.name} | {_best(peer)} | {_best(ours)} | {_number(model.graphopt_vs_best_peer, '.2f', 'x')} |"
+            )
+    for model in result.models:
+        shapes = ", ".join("x".join(map(str, shape)) for shape in model.input_shapes)
+        lines += ["", f"### {model.name} (input {shapes})", ""]
+        if model.error is not None:
+            lines.append(f"not run: {model.error}")
+            continue
+        lines += [
+            "| variant | median latency | vs eager fp32 | optimize/compile (first call incl.) | peak memory | max error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for v in model.variants:
+            if v.status != "ok":
+                lines.append(f"| {v.label} | {v.status}: {v.reason} | | | | |")
+                continue
+            lines.append(
+                f"| {v.label} | {_number(v.median_ms, '.2f', ' ms')} | {_number(v.ratio, '.2f', 'x')} | "
+                f"{_number(v.setup_s, '.2f', ' s')} | {_number(v.peak_memory_mb, '.1f', ' MiB')} | {_number(v.max_error, '.1e')} |"
+            )
+    lines += ["", f"Peak memory: {result.memory_method}.", ""]
+    return "\n".join(lines)
+
+
+def _best(variant: VariantResult | None) -> str:
+    return "—" if variant is None else f"{variant.label} ({_number(variant.ratio, '.2f', 'x')})"
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+def write_plot(result: BenchResult, path: Path) -> str | None:
+    """A bar chart of each variant's ratio to eager fp32, per model; None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install 'graphopt[bench]')"
+    models = [model for model in result.models if model.error is None]
+    labels = list(dict.fromkeys(v.label for model in models for v in model.variants))
+    if not models or not labels:
+        return "no plot: no model was timed"
+    figure, axes = plt.subplots(figsize=(max(9.0, 4.0 + 0.3 * len(labels) * len(models)), 4.8))
+    width = 0.8 / len(labels)
+    for index, label in enumerate(labels):
+        ratios = []
+        for model in models:
+            found = next((v for v in model.variants if v.label == label), None)
+            ratios.append(found.ratio if found is not None and found.ratio is not None else float("nan"))  # no bar
+        positions = [m + (index - (len(labels) - 1) / 2) * width for m in range(len(models))]
+        axes.bar(positions, ratios, width, label=label)
+    axes.set_yscale("log")  # ratios: 2x faster and 2x slower lie equally far from 1
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(models)), [model.name for model in models])
+    axes.set_ylabel("speed-up over eager fp32 (median of per-round ratios)")
+    axes.set_title(f"graphopt bench on {result.machine['device']}: {result.machine['cpu']}", fontsize=9)
+    axes.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None

@@ -1,0 +1,226 @@
+"""The ways of running a model that the benchmark compares, one `Variant` per line of `variants()`.
+
+A variant is a name, a role and a builder: ``build(setup)`` prepares everything it
+needs (copies, compiled code, ONNX files, sessions) and returns a zero-argument runner
+that makes one forward pass on the setup's inputs. The harness times the builder plus
+the first call as the variant's setup time, then calls the runner in interleaved
+rounds under ``torch.inference_mode()``.
+
+Roles: ``baseline`` (eager fp32, what every ratio divides), ``graphopt`` (graphopt's
+public API: ``graphopt.optimize`` presets and ``graphopt.export_onnx`` run by
+onnxruntime) and ``peer`` (everything graphopt has to beat). A builder that cannot run
+here raises `VariantSkipped` with the reason; any other exception marks the variant as
+failed with its message. The shared ``setup.model`` must never be modified: builders
+that change weights or layout work on a copy.
+
+Adding a graphopt configuration is one line in `variants()`, e.g.
+``_graphopt_variant("graphopt-tune", "graphopt tuned", tune=True)``: when
+``graphopt.optimize`` does not accept an option yet, the variant is listed as skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import inspect
+import io
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import graphopt
+
+Runner = Callable[[], Any]
+
+LOW_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class VariantSkipped(Exception):
+    """The variant cannot run on this machine or with this graphopt; the message says why."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a variant is built from (shared by all variants of one model: do not modify)."""
+
+    model: nn.Module  # eval mode, on ``device``
+    inputs: tuple[torch.Tensor, ...]  # on ``device``
+    device: torch.device
+    low_precision: str  # "bf16" or "fp16"
+    workdir: Path  # a private folder for files such as ONNX exports
+
+    @property
+    def low_dtype(self) -> torch.dtype:
+        return LOW_PRECISIONS[self.low_precision]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running a model: ``key`` selects it on the command line, ``label`` names it in tables."""
+
+    key: str
+    label: str
+    role: str  # "baseline", "graphopt" or "peer"
+    build: Callable[[Setup], Runner]
+
+
+def _channels_last(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs)
+
+
+def _autocast(setup: Setup) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(setup.device.type, dtype=setup.low_dtype)
+
+
+def _call(module: Callable[..., Any], inputs: tuple[torch.Tensor, ...], setup: Setup, autocast: bool) -> Runner:
+    if not autocast:
+        return lambda: module(*inputs)
+
+    def run() -> Any:
+        with _autocast(setup):
+            return module(*inputs)
+
+    return run
+
+
+def _eager(*, channels_last: bool = False, autocast: bool = False) -> Callable[[Setup], Runner]:
+    def build(setup: Setup) -> Runner:
+        model, inputs = setup.model, setup.inputs
+        if channels_last:
+            model, inputs = copy.deepcopy(model).to(memory_format=torch.channels_last), _channels_last(inputs)
+        return _call(model, inputs, setup, autocast)
+
+    return build
+
+
+def _torch_compile(*, channels_last: bool = False, autocast: bool = False) -> Callable[[Setup], Runner]:
+    def build(setup: Setup) -> Runner:
+        model, inputs = setup.model, setup.inputs
+        if channels_last:
+            model, inputs = copy.deepcopy(model).to(memory_format=torch.channels_last), _channels_last(inputs)
+        return _call(torch.compile(model), inputs, setup, autocast)
+
+    return build
+
+
+def _graphopt(**options: Any) -> Callable[[Setup], Runner]:
+    """``graphopt.optimize(model, inputs, **options)``; ``precision="low"`` means the run's low precision."""
+
+    def build(setup: Setup) -> Runner:
+        accepted = inspect.signature(graphopt.optimize).parameters
+        takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in accepted.values())
+        missing = [] if takes_any else [name for name in options if name not in accepted]
+        if missing:
+            raise VariantSkipped(f"graphopt.optimize does not accept {', '.join(f'{name}=' for name in missing)} yet")
+        resolved = {name: setup.low_precision if value == "low" else value for name, value in options.items()}
+        optimized = graphopt.optimize(setup.model, setup.inputs, **resolved)
+        return lambda: optimized(*setup.inputs)
+
+    return build
+
+
+def _fx_optimize_for_inference(setup: Setup) -> Runner:
+    if setup.device.type != "cpu":
+        raise VariantSkipped("torch.fx.experimental.optimization.optimize_for_inference runs on CPU only (MKL-DNN)")
+    from torch.fx.experimental.optimization import optimize_for_inference
+
+    optimized = optimize_for_inference(setup.model)  # works on a copy (its conv-bn fusion copies the model)
+    return lambda: optimized(*setup.inputs)
+
+
+def _jit_freeze(setup: Setup) -> Runner:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+        traced = torch.jit.trace(setup.model, setup.inputs, check_trace=False)
+        frozen = torch.jit.optimize_for_inference(torch.jit.freeze(traced.eval()))
+    return lambda: frozen(*setup.inputs)
+
+
+def _plain_onnx_export(model: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path) -> None:
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, inputs, dynamo=True, verbose=False)
+    if program is None:
+        raise RuntimeError("torch.onnx.export returned no program")
+    program.save(str(path))
+
+
+def _onnxruntime(*, graphopt_export: bool) -> Callable[[Setup], Runner]:
+    def build(setup: Setup) -> Runner:
+        import onnxruntime
+
+        providers = ["CPUExecutionProvider"]
+        if setup.device.type == "cuda":
+            if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+                raise VariantSkipped("this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)")
+            providers = ["CUDAExecutionProvider"]
+        # exported from a CPU copy: the exporters and graphopt's onnxruntime check run on the CPU
+        model = copy.deepcopy(setup.model).cpu()
+        inputs = tuple(t.cpu() for t in setup.inputs)
+        path = setup.workdir / ("graphopt.onnx" if graphopt_export else "plain.onnx")
+        if graphopt_export:
+            graphopt.export_onnx(model, inputs, path, compare_plain=False, overwrite=True)
+        else:
+            _plain_onnx_export(model, inputs, path)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()  # the same cores as the torch variants
+        # onnxruntime's threads otherwise spin after each run and steal the cores from the next variant
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = onnxruntime.InferenceSession(str(path), options, providers=providers)
+        # on CUDA the inputs and outputs are copied between host and device on every call
+        feeds = {spec.name: tensor.numpy() for spec, tensor in zip(session.get_inputs(), inputs, strict=True)}
+        return lambda: session.run(None, feeds)
+
+    return build
+
+
+def _graphopt_variant(key: str, label: str, **options: Any) -> Variant:
+    return Variant(key, label, "graphopt", _graphopt(**options))
+
+
+def variants(low_precision: str = "bf16") -> list[Variant]:
+    """Every variant, in the order they run in each round; ``low_precision`` names the autocast/low dtype."""
+    low = low_precision
+    return [
+        Variant("eager", "eager fp32", "baseline", _eager()),
+        Variant("eager-cl", "eager fp32 + CL", "peer", _eager(channels_last=True)),
+        Variant("eager-amp", f"eager {low} autocast", "peer", _eager(autocast=True)),
+        Variant("eager-amp-cl", f"eager {low} autocast + CL", "peer", _eager(channels_last=True, autocast=True)),
+        _graphopt_variant("graphopt", "graphopt fp32", memory_format="preserve"),
+        _graphopt_variant("graphopt-cl", "graphopt fp32 + CL", memory_format="channels_last"),
+        _graphopt_variant("graphopt-low-cl", f"graphopt {low} + CL", memory_format="channels_last", precision="low"),
+        _graphopt_variant("graphopt-cl-fuse", "graphopt fp32 + CL + fusion", memory_format="channels_last", fuse="inductor"),
+        _graphopt_variant(
+            "graphopt-low-cl-fuse", f"graphopt {low} + CL + fusion", memory_format="channels_last", precision="low", fuse="inductor"
+        ),
+        Variant("compile", "torch.compile fp32", "peer", _torch_compile()),
+        Variant("compile-amp-cl", f"torch.compile {low} autocast + CL", "peer", _torch_compile(channels_last=True, autocast=True)),
+        Variant("fx-ofi", "fx optimize_for_inference", "peer", _fx_optimize_for_inference),
+        Variant("jit-freeze", "jit freeze + optimize_for_inference", "peer", _jit_freeze),
+        Variant("ort-graphopt", "onnxruntime fp32 (graphopt export)", "graphopt", _onnxruntime(graphopt_export=True)),
+        Variant("ort-plain", "onnxruntime fp32 (plain export)", "peer", _onnxruntime(graphopt_export=False)),
+    ]
+
+
+def select(available: list[Variant], patterns: Iterable[str] | None, excluded: Iterable[str] = ()) -> list[Variant]:
+    """The variants whose keys match ``patterns`` (shell-style, e.g. ``graphopt*``; None: all) and not ``excluded``.
+
+    The baseline is always kept: every ratio and error is measured against it.
+    Raises ValueError naming the known keys when a pattern matches nothing.
+    """
+    keys = [variant.key for variant in available]
+    wanted, unwanted = list(patterns or ["*"]), list(excluded)
+    for pattern in wanted + unwanted:
+        if not fnmatch.filter(keys, pattern):
+            raise ValueError(f"no variant matches {pattern!r}; the variants are: {', '.join(keys)}")
+
+    def matches(variant: Variant, patterns: list[str]) -> bool:
+        return any(fnmatch.fnmatchcase(variant.key, pattern) for pattern in patterns)
+
+    return [v for v in available if v.role == "baseline" or (matches(v, wanted) and not matches(v, unwanted))]

@@ -1,0 +1,144 @@
+"""``graphopt bench`` from the command line: --quick smoke runs and the files they write.
+
+The runs are real but tiny (the smallest reference model, batch 2, two rounds) and
+select a few fast variants; their figures are checked for form, never for speed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import graphopt.models
+from graphopt import cli
+
+FAST_VARIANTS = "eager-cl,graphopt"
+
+
+def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["bench", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_quick_run_writes_json_markdown_and_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = bench(capsys, "--quick", "--variants", FAST_VARIANTS, "--output-dir", str(tmp_path))
+    assert code == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["command"] == (
+        "graphopt bench --models transformer --batch 2 --device auto --rounds 2 --warmup 1 --variants eager-cl,graphopt"
+    )
+    assert data["settings"]["rounds"] == 2 and data["settings"]["variants"] == ["eager", "eager-cl", "graphopt"]
+    assert data["machine"]["cpu"] and data["machine"]["torch_threads"] >= 1
+    (model,) = data["models"]
+    assert model["name"] == "transformer" and model["input_shapes"] == [[2, 3, 32, 32]] and model["error"] is None
+    assert [v["key"] for v in model["variants"]] == ["eager", "eager-cl", "graphopt"]
+    for variant in model["variants"]:
+        assert variant["status"] == "ok", variant
+        assert len(variant["samples_ms"]) == len(variant["round_ratios"]) == 2
+        assert variant["median_ms"] > 0 and variant["ratio_vs_eager"] > 0 and variant["setup_s"] > 0
+        assert variant["max_error"] < 1e-4
+    assert model["variants"][0]["round_ratios"] == [1.0, 1.0]
+    assert model["best_peer"] == "eager-cl" and model["best_graphopt"] == "graphopt"
+    assert model["graphopt_vs_best_peer"] > 0
+
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "Command: `graphopt bench --models transformer" in markdown
+    assert "| transformer | eager fp32 + CL (" in markdown  # the summary: best peer, best graphopt, ratio
+    assert "### transformer (input 2x3x32x32)" in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| eager fp32 |") or line.startswith("| graphopt fp32 |")]
+    assert len(rows) == 2 and all(row.count("|") == 7 and " ms | " in row and " MiB | " in row for row in rows)
+    assert "Peak memory: growth of the process's resident memory" in markdown
+    assert markdown.strip() in out  # the same table is printed
+
+
+def test_the_plot_is_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib comes with graphopt[bench] (installed by make test/bench)")
+    code, out, _ = bench(capsys, "--quick", "--variants", "graphopt", "--output-dir", str(tmp_path))
+    assert code == 0
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"written: {tmp_path / 'bench.png'}" in out
+
+
+def test_without_matplotlib_the_run_says_why_there_is_no_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    code, out, _ = bench(capsys, "--quick", "--variants", "graphopt", "--output-dir", str(tmp_path))
+    assert code == 0
+    assert "no plot: matplotlib is not installed (pip install 'graphopt[bench]')" in out
+    assert not (tmp_path / "bench.png").exists() and (tmp_path / "bench.json").exists()
+
+
+def test_failures_are_recorded_in_the_files(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_optimize(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("graphopt broke")
+
+    monkeypatch.setattr(graphopt, "optimize", broken_optimize)
+    code, out, _ = bench(capsys, "--quick", "--variants", "graphopt*", "--exclude", "*fuse", "--output-dir", str(tmp_path))
+    assert code == 0
+    variants = json.loads((tmp_path / "bench.json").read_text())["models"][0]["variants"]
+    assert [(v["key"], v["status"], v["reason"]) for v in variants[1:]] == [
+        ("graphopt", "failed", "RuntimeError: graphopt broke"),
+        ("graphopt-cl", "failed", "RuntimeError: graphopt broke"),
+        ("graphopt-low-cl", "failed", "RuntimeError: graphopt broke"),
+    ]
+    assert "| graphopt fp32 | failed: RuntimeError: graphopt broke |" in (tmp_path / "bench.md").read_text()
+
+
+def test_module_factory_models_take_their_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = bench(
+        capsys, "--models", "graphopt.models:resnet_small", "--input", "2x3x16x16", "--variants", "graphopt",
+        "--rounds", "1", "--warmup", "0", "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0
+    (model,) = json.loads((tmp_path / "bench.json").read_text())["models"]
+    assert model["name"] == "graphopt.models:resnet_small" and model["input_shapes"] == [[2, 3, 16, 16]]
+    assert [v["status"] for v in model["variants"]] == ["ok", "ok"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--models", "resnet,nope"], "unknown model 'nope': use reference, anchors, one of convnext, mobilenet_v2, resnet, transformer"),
+        (["--models", "graphopt.models:nope"], "module 'graphopt.models' has no attribute 'nope'"),
+        (["--models", "graphopt.models:resnet_small", "--input", "2xfoo"], "--input '2xfoo' is not SHAPE[:DTYPE]"),
+        (["--variants", "tensorrt"], "no variant matches 'tensorrt'"),
+        (["--device", "tpu"], "the benchmark runs on auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = bench(capsys, "--quick", *argv, "--output-dir", str(tmp_path))
+    assert code == 2
+    assert message in err
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_anchor_models_are_required_for_anchors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(graphopt.models, "ANCHOR_MODELS", raising=False)
+    code, _, err = bench(capsys, "--models", "anchors", "--output-dir", str(tmp_path))
+    assert code == 2
+    assert "--models anchors needs graphopt.models.ANCHOR_MODELS" in err
+
+
+def test_anchor_models_are_found_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny = graphopt.models.ReferenceModel("tiny_anchor", graphopt.models.resnet_small, (8, 3, 16, 16), "a stand-in anchor")
+    monkeypatch.setattr(graphopt.models, "ANCHOR_MODELS", {"tiny_anchor": tiny}, raising=False)
+    code, _, _ = bench(capsys, "--quick", "--models", "tiny_anchor", "--variants", "eager", "--output-dir", str(tmp_path))
+    assert code == 0
+    (model,) = json.loads((tmp_path / "bench.json").read_text())["models"]
+    assert model["name"] == "tiny_anchor" and model["input_shapes"] == [[2, 3, 16, 16]]
+
+
+def test_list_variants(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = bench(capsys, "--list-variants", "--low-precision", "fp16")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["eager", "baseline", "eager", "fp32"]
+    assert any(line.split()[:2] == ["ort-plain", "peer"] for line in lines)
+    assert any("eager fp16 autocast" in line for line in lines)

@@ -1,0 +1,95 @@
+"""The benchmark's variants: each builds on a small model, agrees with eager, and leaves the model alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from graphopt.bench.harness import relative_error
+from graphopt.bench.variants import Setup, VariantSkipped, _graphopt, select, variants
+from tests.conftest import model_state, randomize_batch_norms
+
+# the tolerance of each variant's output, relative to the output's scale
+TOLERANCES = {"fp32": 1e-4, "low": 3e-2}
+BY_KEY = {variant.key: variant for variant in variants("bf16")}
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return randomize_batch_norms(model).eval()
+
+
+def setup_for(tmp_path: Path, device: str = "cpu") -> Setup:
+    generator = torch.Generator().manual_seed(0)
+    return Setup(small_cnn(), (torch.randn(2, 3, 16, 16, generator=generator),), torch.device(device), "bf16", tmp_path)
+
+
+def test_keys_are_unique_and_every_role_is_known() -> None:
+    keys = [variant.key for variant in variants("fp16")]
+    assert len(keys) == len(set(keys))
+    assert {variant.role for variant in variants()} == {"baseline", "graphopt", "peer"}
+    assert variants()[0].role == "baseline"
+    assert any("fp16" in variant.label for variant in variants("fp16"))
+
+
+# torch.compile takes seconds per model even this small, and graphopt's export checks the file in onnxruntime
+SLOW = {"compile", "compile-amp-cl", "ort-graphopt"}
+FUSION = {"graphopt-cl-fuse", "graphopt-low-cl-fuse"}  # wait for graphopt.optimize(fuse=...)
+
+
+@pytest.mark.parametrize(
+    "key", [pytest.param(key, marks=pytest.mark.slow) if key in SLOW else key for key in BY_KEY if key not in FUSION]
+)
+def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None:
+    setup = setup_for(tmp_path)
+    before = model_state(setup.model)
+    with torch.inference_mode():
+        expected = setup.model(*setup.inputs)
+        output = BY_KEY[key].build(setup)()
+    low_precision = "amp" in key or "low" in key
+    assert relative_error(expected, output) < TOLERANCES["low" if low_precision else "fp32"]
+    assert model_state(setup.model) == before, f"{key} changed the shared model"
+
+
+def test_fusion_variants_run_or_say_that_fuse_is_not_accepted_yet(tmp_path: Path) -> None:
+    import inspect
+
+    import graphopt
+
+    setup = setup_for(tmp_path)
+    for key in sorted(FUSION):
+        if "fuse" in inspect.signature(graphopt.optimize).parameters:
+            with torch.inference_mode():
+                assert relative_error(setup.model(*setup.inputs), BY_KEY[key].build(setup)()) < TOLERANCES["low"]
+        else:
+            with pytest.raises(VariantSkipped, match=r"graphopt.optimize does not accept fuse= yet"):
+                BY_KEY[key].build(setup)
+
+
+def test_an_option_graphopt_does_not_accept_skips_the_variant(tmp_path: Path) -> None:
+    with pytest.raises(VariantSkipped, match=r"does not accept tune_harder=, not_an_option= yet"):
+        _graphopt(tune_harder=True, not_an_option=1)(setup_for(tmp_path))
+
+
+def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> None:
+    setup = setup_for(tmp_path, "cuda")  # nothing is moved to the device: they refuse before
+    with pytest.raises(VariantSkipped, match="runs on CPU only"):
+        BY_KEY["fx-ofi"].build(setup)
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        with pytest.raises(VariantSkipped, match="no CUDAExecutionProvider"):
+            BY_KEY["ort-plain"].build(setup)
+
+
+def test_select_keeps_the_baseline_and_matches_shell_patterns() -> None:
+    available = variants()
+    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse"])] == ["eager", "graphopt-cl", "graphopt-low-cl"]
+    assert [v.key for v in select(available, None, ["*"])] == ["eager"]
+    assert select(available, None) == available
+    with pytest.raises(ValueError, match=r"no variant matches 'tensorrt'; the variants are: eager, eager-cl"):
+        select(available, ["tensorrt"])
