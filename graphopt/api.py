@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
+from graphopt.device import enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
 from graphopt.ops import PRECISION_FAMILY_NAMES
@@ -158,6 +159,7 @@ def optimize(
     precision: str = "fp32",
     low_precision_ops: Iterable[str] | None = None,
     fp32_ops: Iterable[str] | None = None,
+    device: str | torch.device | None = None,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -184,6 +186,9 @@ def optimize(
             numerics, verified with the low dtype's tolerance).
         low_precision_ops, fp32_ops: override the op families of the precision policy
             (names: see ``graphopt.passes.use_low_precision``).
+        device: the device the model will run on (default: where its parameters are);
+            the copy is moved there, and the example inputs must be on it. On CUDA,
+            graphs with convolutions and static input shapes turn on cudnn.benchmark.
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
@@ -195,7 +200,8 @@ def optimize(
     low_ops, kept_ops = _precision_policy(low_precision_ops, fp32_ops)
     infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype)
     check_frontend(frontend)  # every option is checked before the costly steps below
-    args = check_inputs(model, example_inputs)
+    target = resolve_device(device, model, example_inputs)
+    args = check_inputs(model, example_inputs, target if device is not None else None)
     try:
         owned = copy.deepcopy(model)
     except Exception as error:
@@ -203,7 +209,7 @@ def optimize(
             f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
             "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
         ) from error
-    owned.train(resolved_mode == "training")
+    owned.to(target).train(resolved_mode == "training")
     reference = reference_run(owned, args)
     captured = capture_graph(owned, args, reference, frontend, dynamic_batch)
     gm = captured.graph_module
@@ -224,9 +230,11 @@ def optimize(
         precision=low_dtype,
         low_precision_ops=low_ops,
         fp32_ops=kept_ops,
+        device=target,
     )
     report.captured_nodes = snapshot(gm.graph)
     gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
+    report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
     return OptimizedModule(gm, report)
 
 
