@@ -47,6 +47,8 @@ def _describe_change(before: TensorValue | None, after: TensorValue | None) -> s
 def create_on_device(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Turn factory-then-move into one factory call with device=/dtype=, and store moved constants where they are used."""
     report = PassReport("create_on_device")
+    if not any(transfer_view(gm, node) is not None for node in gm.graph.nodes):
+        return finish(gm, False, report)  # nothing is moved: spare the forward run below
     values = example_values(gm, ctx.example_inputs)
     for node in list(gm.graph.nodes):
         move = transfer_view(gm, node)

@@ -56,6 +56,8 @@ def _chain(gm: fx.GraphModule, move: TransferView) -> list[TransferView]:
 def remove_redundant_transfers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Remove no-op moves/casts and round trips; mark host-to-device copies non_blocking."""
     report = PassReport("remove_redundant_transfers")
+    if not any(transfer_view(gm, node) is not None for node in gm.graph.nodes):
+        return finish(gm, False, report)  # nothing is moved: spare the forward run below
     values = example_values(gm, ctx.example_inputs)
     fixed = fixed_devices(gm)
     for node in list(gm.graph.nodes):

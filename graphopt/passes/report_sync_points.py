@@ -4,7 +4,9 @@ On an accelerator, kernels run asynchronously: the host queues work and moves on
 ops make it wait until everything queued has finished, then copy a value back:
 
 - ``.item()``, ``.tolist()``, ``.numpy()``, ``bool/int/float(tensor)``: a value read on the host;
-- ``.cpu()`` / ``.to("cpu")`` of a value: a device-to-host copy;
+- ``.cpu()`` / ``.to("cpu")`` of a value: a device-to-host copy (in torch.export graphs of a
+  CPU model, ``.to(x.device)`` reads as ``.to("cpu")`` too: there only copies from
+  another device are listed);
 - ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``,
   boolean-mask indexing ``x[mask]``, ``torch.where(cond)``, ...): the host must read
   the size before it can allocate the result. torch.export marks every such op with a
@@ -25,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from graphopt.ops import transfer_view
 from graphopt.passes.base import PassContext, PassResult, finish
-from graphopt.passes.values import source_line
+from graphopt.passes.values import TensorValue, example_values, source_line
 from graphopt.report import PassReport, describe
 
 aten = torch.ops.aten
@@ -51,11 +53,13 @@ def _new_data_dependent_sizes(node: fx.Node) -> bool:
     return bool(introduced)
 
 
-def _sync_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
+def _sync_kind(gm: fx.GraphModule, node: fx.Node, values: dict[fx.Node, TensorValue]) -> str | None:
     if (node.op == "call_method" and node.target in _HOST_READS) or node.target in _HOST_READ_TARGETS:
         return f"reads a value on the host (.{getattr(node.target, '_opname', node.target)}())"
     move = transfer_view(gm, node)
-    if move is not None and move.device == torch.device("cpu"):
+    source = values.get(move.input) if move is not None else None
+    # torch.export writes .to(x.device) of a CPU model as .to("cpu"): only the method form names the host for sure
+    if move is not None and move.device == torch.device("cpu") and (move.form == "function" or (source and source.device.type != "cpu")):
         return "copies to the host (.cpu() / .to('cpu'))"
     if node.op == "call_method" and node.target in _DATA_DEPENDENT_METHODS:
         return f"output shape depends on the data ({node.target})"
@@ -79,8 +83,10 @@ def _boolean_index(node: fx.Node) -> bool:
 def report_sync_points(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """List host synchronisation points in forward with their source lines."""
     report = PassReport("report_sync_points")
+    has_moves = any(transfer_view(gm, node) is not None for node in gm.graph.nodes)
+    values = example_values(gm, ctx.example_inputs) if has_moves else {}  # a forward run, only when needed
     for node in gm.graph.nodes:
-        kind = _sync_kind(gm, node)
+        kind = _sync_kind(gm, node, values)
         if kind is None:
             continue
         line = source_line(node)
