@@ -209,7 +209,9 @@ def optimize(
             f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
             "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
         ) from error
-    owned.to(target).train(resolved_mode == "training")
+    if device is not None:
+        owned.to(target)
+    owned.train(resolved_mode == "training")
     reference = reference_run(owned, args)
     captured = capture_graph(owned, args, reference, frontend, dynamic_batch)
     gm = captured.graph_module

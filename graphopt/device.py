@@ -22,7 +22,7 @@ from graphopt.ops import weighted_op_view
 
 
 def resolve_device(device: str | torch.device | None, model: nn.Module, example_inputs: Any) -> torch.device:
-    """The device to optimize for: ``device``, else the model's (or, without parameters, the inputs') device."""
+    """The device to optimize for: ``device``, else the model's device (the first input's when it has no parameters or several devices)."""
     if device is not None:
         try:
             target = torch.device(device)
@@ -34,12 +34,9 @@ def resolve_device(device: str | torch.device | None, model: nn.Module, example_
             target = torch.device("cuda", torch.cuda.current_device())
         return target
     devices = {t.device for t in [*model.parameters(), *model.buffers()]}
-    devices = devices or {leaf.device for leaf in pytree.tree_leaves(example_inputs) if isinstance(leaf, torch.Tensor)}
-    if len(devices) > 1:
-        raise InvalidOptionError(
-            f"the model's tensors are on several devices ({', '.join(sorted(map(str, devices)))}): pass "
-            "optimize(..., device=...) to choose the one to optimize for (the copy is moved there)"
-        )
+    if len(devices) != 1:  # no parameters, or spread over devices: the device the inputs come on
+        inputs = [leaf.device for leaf in pytree.tree_leaves(example_inputs) if isinstance(leaf, torch.Tensor)]
+        devices = set(inputs[:1])
     return next(iter(devices), torch.device("cpu"))
 
 

@@ -93,7 +93,8 @@ def test_optimize_prints_the_report_and_writes_json(capsys: pytest.CaptureFixtur
     passes = {p["name"]: p for p in data["passes"]}
     assert list(passes) == list(PRESETS["inference"])
     for name in ("remove_dropout", "fold_conv_bn", "to_channels_last"):
-        assert len(passes[name]["rewrites"]) > 0, name
+        report = passes[name]
+        assert len(report["rewrites"]) > 0, name
         assert all(rewrite["where"] and rewrite["detail"] for rewrite in report["rewrites"])
         assert report["modified"] is True
         # the table and the JSON describe the same run

@@ -110,5 +110,5 @@ def test_guard_module_called_twice() -> None:
 
 def test_aligned_channels_are_left_alone() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3))
-    gm, report = pad_and_check(model, torch.randn(2, 3, 8, 8), "fx")
+    _, report = pad_and_check(model, torch.randn(2, 3, 8, 8), "fx")
     assert report.rewrites == [] and report.skips == []
