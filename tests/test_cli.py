@@ -108,7 +108,7 @@ def test_optimize_in_training_mode_runs_drop_conv_bias(capsys: pytest.CaptureFix
     assert code == 0, err
     assert "mode: training" in out
     rows = table_rows(out)
-    assert list(rows) == ["drop_conv_bias", "to_channels_last"]
+    assert list(rows) == list(PRESETS["training"])
     assert int(rows["drop_conv_bias"][0]) > 0
 
 
@@ -129,12 +129,12 @@ def test_optimize_runs_the_passes_in_the_order_given(capsys: pytest.CaptureFixtu
 def test_optimize_leaves_out_disabled_passes(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "fold_conv_bn")
     assert code == 0, err
-    assert list(table_rows(out)) == ["remove_dropout", "to_channels_last"]
+    assert list(table_rows(out)) == [name for name in PRESETS["inference"] if name != "fold_conv_bn"]
     assert "fold_conv_bn" not in out
 
 
 def test_optimize_with_every_pass_disabled_runs_none(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "remove_dropout,fold_conv_bn,to_channels_last")
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", ",".join(PRESETS["inference"]))
     assert code == 0, err
     assert table_rows(out) == {}
     assert "(no passes ran)" in out
