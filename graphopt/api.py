@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, FusedRegion, compile_graph, compile_regions
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
+from graphopt.device import enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
 from graphopt.ops import PRECISION_FAMILY_NAMES
@@ -163,6 +164,7 @@ def optimize(
     low_precision_ops: Iterable[str] | None = None,
     fp32_ops: Iterable[str] | None = None,
     fuse: str | None = None,
+    device: str | torch.device | None = None,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -194,6 +196,9 @@ def optimize(
             torch.jit.script, deprecated by PyTorch) or ``"graph"`` (the whole optimized
             graph handed to torch.compile). Compiled during ``optimize``; a region whose
             backend fails stays eager, with the reason in ``report.fusion``.
+        device: the device the model will run on (default: where its parameters are);
+            the copy is moved there, and the example inputs must be on it. On CUDA,
+            graphs with convolutions and static input shapes turn on cudnn.benchmark.
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
@@ -207,7 +212,8 @@ def optimize(
         raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
     infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype, fuse)
     check_frontend(frontend)  # every option is checked before the costly steps below
-    args = check_inputs(model, example_inputs)
+    target = resolve_device(device, model, example_inputs)
+    args = check_inputs(model, example_inputs, target if device is not None else None)
     try:
         owned = copy.deepcopy(model)
     except Exception as error:
@@ -215,6 +221,8 @@ def optimize(
             f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
             "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
         ) from error
+    if device is not None:
+        owned.to(target)
     owned.train(resolved_mode == "training")
     reference = reference_run(owned, args)
     captured = capture_graph(owned, args, reference, frontend, dynamic_batch)
@@ -236,9 +244,11 @@ def optimize(
         precision=low_dtype,
         low_precision_ops=low_ops,
         fp32_ops=kept_ops,
+        device=target,
     )
     report.captured_nodes = snapshot(gm.graph)
     gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
+    report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
     runner = None
     if fuse is not None:
         # compiled code is specific to the autograd mode: compile for the one forward will run in

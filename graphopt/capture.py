@@ -75,8 +75,10 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
 
 
 def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
+    tracer = fx.Tracer()
+    tracer.record_stack_traces = True  # source lines for the report (e.g. sync points)
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
-        gm = fx.symbolic_trace(model)
+        gm = fx.GraphModule(model, tracer.trace(model), model.__class__.__name__)
     # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check.
     state: dict[str, torch.Tensor] = {}
     with verify.isolated(gm, state_after=state):

@@ -8,6 +8,9 @@
 
     batch = max_batch_size(model, torch.randn(1, 3, 224, 224), mode="training")
 
+    for inputs, labels in DevicePrefetcher(loader, "cuda"):  # next batch copied while this one runs
+        ...
+
 `tune_loader` measures; it does not predict. Its numbers hold for this machine, this
 dataset and this moment: other load on the machine shifts them, so rerun it where the
 training runs. `max_batch_size` searches by running the model on CUDA (out-of-memory is
@@ -34,6 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, IterableDataset
 
 from graphopt.errors import InvalidInputsError, InvalidModelError, InvalidOptionError
+from graphopt.prefetch import DevicePrefetcher
 
 try:  # optional: more exact memory numbers, and it works where /proc does not exist
     import psutil  # type: ignore[import-untyped]
@@ -45,7 +49,7 @@ try:  # not on Windows
 except ImportError:  # pragma: no cover - depends on the platform
     resource = None  # type: ignore[assignment]
 
-__all__ = ["Candidate", "LoaderTuning", "max_batch_size", "tune_loader"]
+__all__ = ["Candidate", "DevicePrefetcher", "LoaderTuning", "max_batch_size", "tune_loader"]
 
 _MB = 1024 * 1024
 _GB = 1024 * _MB

@@ -31,8 +31,11 @@ def check_model(model: Any) -> None:
         )
 
 
-def check_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
-    """Normalise ``example_inputs`` to a tuple of positional arguments and check devices."""
+def check_inputs(model: nn.Module, example_inputs: Any, device: torch.device | None = None) -> tuple[Any, ...]:
+    """Normalise ``example_inputs`` to a tuple of positional arguments and check devices.
+
+    With ``device`` (the model will be moved there), the inputs must be on it.
+    """
     if isinstance(example_inputs, torch.Tensor):
         args: tuple[Any, ...] = (example_inputs,)
     elif isinstance(example_inputs, (tuple, list)):
@@ -48,6 +51,8 @@ def check_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
             "dtypes and device the model will see"
         )
     model_devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if device is not None:
+        model_devices = {device}
     input_devices = {leaf.device for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)}
     if model_devices and not input_devices <= model_devices:
         raise InvalidInputsError(

@@ -10,10 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphopt.passes.base import MODES, Mode, PassContext, PassFunction, PassResult
+from graphopt.passes.as_tensor import as_tensor
+from graphopt.passes.create_on_device import create_on_device
 from graphopt.passes.drop_conv_bias import drop_conv_bias
 from graphopt.passes.extract_pointwise_regions import extract_pointwise_regions
 from graphopt.passes.fold_conv_bn import fold_conv_bn
+from graphopt.passes.pad_channels import pad_channels
 from graphopt.passes.remove_dropout import remove_dropout
+from graphopt.passes.remove_redundant_transfers import remove_redundant_transfers
+from graphopt.passes.report_sync_points import report_sync_points
 from graphopt.passes.to_channels_last import to_channels_last
 from graphopt.passes.use_low_precision import use_low_precision
 
@@ -33,6 +38,20 @@ class PassInfo:
 REGISTRY: dict[str, PassInfo] = {
     info.name: info
     for info in (
+        PassInfo(
+            "report_sync_points",
+            report_sync_points,
+            ("inference", "training"),
+            "list host synchronisation points in forward (.item(), .cpu(), .tolist(), data-dependent shapes) with source lines; report only",
+        ),
+        PassInfo("create_on_device", create_on_device, ("inference", "training"), "create tensors with the device/dtype they are moved to, instead of creating and copying"),
+        PassInfo("as_tensor", as_tensor, ("inference", "training"), "torch.tensor(x) of a tensor in the graph becomes torch.as_tensor(x): no copy when dtype/device match"),
+        PassInfo(
+            "remove_redundant_transfers",
+            remove_redundant_transfers,
+            ("inference", "training"),
+            "remove no-op and round-trip .to()/.cpu()/.cuda() moves and casts; host-to-device copies made non_blocking",
+        ),
         PassInfo("remove_dropout", remove_dropout, ("inference",), "remove dropout and identity ops that do nothing at inference"),
         PassInfo("fold_conv_bn", fold_conv_bn, ("inference",), "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear"),
         PassInfo("drop_conv_bias", drop_conv_bias, ("training", "inference"), "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)"),
@@ -49,6 +68,12 @@ REGISTRY: dict[str, PassInfo] = {
             ("inference", "training"),
             "run conv/linear/matmul/attention in bf16 or fp16 and sensitive ops in fp32 (optimize(precision=...))",
             exact=False,
+        ),
+        PassInfo(
+            "pad_channels",
+            pad_channels,
+            ("inference",),
+            "zero-pad conv/linear channel counts to multiples of 8 for fp16/bf16 tensor cores (exact; opt-in: passes=[...])",
         ),
         PassInfo(
             "extract_pointwise_regions",

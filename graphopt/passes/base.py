@@ -33,6 +33,7 @@ class PassContext:
     precision: torch.dtype | None = None  # use_low_precision: the low dtype (bf16/fp16)
     low_precision_ops: frozenset[str] = frozenset()  # use_low_precision: op families run in `precision`
     fp32_ops: frozenset[str] = frozenset()  # use_low_precision: op families kept in fp32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the model runs: optimize(device=...)
 
 
 class PassResult(NamedTuple):

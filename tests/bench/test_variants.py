@@ -37,13 +37,10 @@ def test_keys_are_unique_and_every_role_is_known() -> None:
 
 
 # torch.compile takes seconds per model even this small, and graphopt's export checks the file in onnxruntime
-SLOW = {"compile", "compile-amp-cl", "ort-graphopt"}
-FUSION = {"graphopt-cl-fuse", "graphopt-low-cl-fuse"}  # wait for graphopt.optimize(fuse=...)
+SLOW = {"compile", "compile-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse", "graphopt-low-cl-graph"}
 
 
-@pytest.mark.parametrize(
-    "key", [pytest.param(key, marks=pytest.mark.slow) if key in SLOW else key for key in BY_KEY if key not in FUSION]
-)
+@pytest.mark.parametrize("key", [pytest.param(key, marks=pytest.mark.slow) if key in SLOW else key for key in BY_KEY])
 def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None:
     setup = setup_for(tmp_path)
     before = model_state(setup.model)
@@ -53,21 +50,6 @@ def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None
     low_precision = "amp" in key or "low" in key
     assert relative_error(expected, output) < TOLERANCES["low" if low_precision else "fp32"]
     assert model_state(setup.model) == before, f"{key} changed the shared model"
-
-
-def test_fusion_variants_run_or_say_that_fuse_is_not_accepted_yet(tmp_path: Path) -> None:
-    import inspect
-
-    import graphopt
-
-    setup = setup_for(tmp_path)
-    for key in sorted(FUSION):
-        if "fuse" in inspect.signature(graphopt.optimize).parameters:
-            with torch.inference_mode():
-                assert relative_error(setup.model(*setup.inputs), BY_KEY[key].build(setup)()) < TOLERANCES["low"]
-        else:
-            with pytest.raises(VariantSkipped, match=r"graphopt.optimize does not accept fuse= yet"):
-                BY_KEY[key].build(setup)
 
 
 def test_an_option_graphopt_does_not_accept_skips_the_variant(tmp_path: Path) -> None:
@@ -88,7 +70,7 @@ def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> Non
 
 def test_select_keeps_the_baseline_and_matches_shell_patterns() -> None:
     available = variants()
-    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse"])] == ["eager", "graphopt-cl", "graphopt-low-cl"]
+    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph"])] == ["eager", "graphopt-cl", "graphopt-low-cl"]
     assert [v.key for v in select(available, None, ["*"])] == ["eager"]
     assert select(available, None) == available
     with pytest.raises(ValueError, match=r"no variant matches 'tensorrt'; the variants are: eager, eager-cl"):

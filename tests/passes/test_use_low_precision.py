@@ -16,6 +16,7 @@ from graphopt import api
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import batch_norm_view, interpreter_inputs, precision_family
 from graphopt.passes.use_low_precision import CAST, DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
+from graphopt.pipeline import PRESETS
 from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
 
 BF16_BOUND = 3e-2  # documented bound for bf16, relative to the output's scale
@@ -104,7 +105,7 @@ def test_works_with_folding_and_channels_last() -> None:
     optimized = graphopt.optimize(model, inputs, precision="bf16", memory_format="channels_last")
     gm = optimized.graph_module
     assert not [n for n in gm.graph.nodes if batch_norm_view(gm, n) is not None]
-    assert [p.name for p in optimized.graphopt_report.passes] == ["remove_dropout", "fold_conv_bn", "use_low_precision", "to_channels_last"]
+    assert [p.name for p in optimized.graphopt_report.passes] == [*PRESETS["inference"][:-1], "use_low_precision", "to_channels_last"]
     record_dtypes(gm, inputs)
     assert_policy_holds(gm, torch.bfloat16)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in optimized.parameters() if p.dim() == 4)
