@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,9 +18,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
+from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
 from graphopt.diff import snapshot
-from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
-from graphopt.ops import PRECISION_FAMILY_NAMES
+from graphopt.errors import CheckpointError, InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
+from graphopt.ops import PRECISION_FAMILY_NAMES, get_attr
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.pipeline import resolve_passes, run_passes
@@ -42,11 +43,15 @@ class OptimizedModule(nn.Module):
     - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
       removed dropout would train wrongly); a graph captured by torch.export has its
       train/eval behaviour fixed, so switching its mode raises too.
+    - Checkpoints: ``parameter_map`` says what became of each original key that a pass
+      removed or rewrote; ``load_original_state_dict`` loads a checkpoint of the original
+      model (re-applying the passes' changes); ``original_state_dict`` gives this
+      module's state with the original model's keys (see `graphopt.checkpoint`).
     """
 
     graph_module: fx.GraphModule
 
-    def __init__(self, graph_module: fx.GraphModule, report: Report) -> None:
+    def __init__(self, graph_module: fx.GraphModule, report: Report, original_keys: Iterable[str] = ()) -> None:
         super().__init__()
         # Share, don't register: registering would prefix every state_dict key with "graph_module.".
         object.__setattr__(self, "graph_module", graph_module)
@@ -57,6 +62,7 @@ class OptimizedModule(nn.Module):
         self.graphopt_report = report
         self.training = report.mode == "training"
         self.inference_mode = report.mode == "inference" and not _updates_state(graph_module)
+        self.original_keys = tuple(original_keys)  # the original model's state_dict keys, in its order
 
     @property
     def graph(self) -> fx.Graph:
@@ -91,6 +97,55 @@ class OptimizedModule(nn.Module):
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 values of the weights stored in low precision for inference (empty otherwise), by name."""
         return dict(self.graph_module.meta.get("graphopt_fp32_weights", {}))
+
+    @property
+    def state_changes(self) -> list[StateChange]:
+        """The changes the passes made to stored tensors, in the order they made them."""
+        return [change for report in self.graphopt_report.passes for change in report.state_changes]
+
+    @property
+    def parameter_map(self) -> dict[str, str]:
+        """Each original state_dict key a pass removed or rewrote, with what became of it; other keys are unchanged."""
+        mapping = key_map(self.state_changes)
+        for name, value in self.graph_module.meta.get("graphopt_fp32_weights", {}).items():
+            stored = f"stored in {str(get_attr(self.graph_module, name).dtype).removeprefix('torch.')} (fp32 value: fp32_weights())"
+            mapping[name] = f"{mapping[name]}; {stored}" if name in mapping else stored
+        return mapping
+
+    def load_original_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a checkpoint of the original model, folding and dropping as the passes did.
+
+        Keys are checked against the original model's: a missing or unexpected key raises
+        `CheckpointError`. Tensors that forward never reads (not part of the graph) are ignored.
+        """
+        if self.original_keys and set(state_dict) != set(self.original_keys):
+            missing, unexpected = sorted(set(self.original_keys) - set(state_dict)), sorted(set(state_dict) - set(self.original_keys))
+            raise CheckpointError(
+                f"this is not a state_dict of the model that was optimized: missing keys {missing[:5]}, unexpected keys "
+                f"{unexpected[:5]}. Pass original_model.state_dict(); for this module's own keys use load_state_dict()."
+            )
+        converted = to_optimized(state_dict, self.state_changes)
+        own = self.state_dict()
+        fp32_weights = self.graph_module.meta.get("graphopt_fp32_weights", {})
+        for name in fp32_weights:  # kept in fp32 for fp32_weights(); load_state_dict casts the stored copy
+            fp32_weights[name] = converted[name].detach().clone()
+        self.load_state_dict({key: value for key, value in converted.items() if key in own})
+
+    def original_state_dict(self) -> dict[str, torch.Tensor]:
+        """This module's state with the original model's keys, for ``original_model.load_state_dict``.
+
+        Exact for dropped biases (they come back as zeros, an equivalent model in train and
+        eval mode); a folded BatchNorm comes back as an identity BatchNorm after the folded
+        conv, equivalent in eval mode only. Weights stored in low precision come back in fp32.
+        """
+        state = {key: value.detach().clone() for key, value in self.state_dict().items()}
+        for name, value in self.fp32_weights().items():
+            unchanged = torch.equal(value.to(state[name].dtype), state[name])
+            state[name] = value.clone() if unchanged else state[name].to(value.dtype)
+        original = to_original(state, self.state_changes)
+        if not self.original_keys:
+            return original
+        return {key: original[key] for key in self.original_keys if key in original}
 
     def extra_repr(self) -> str:
         return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"
@@ -227,7 +282,7 @@ def optimize(
     )
     report.captured_nodes = snapshot(gm.graph)
     gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
-    return OptimizedModule(gm, report)
+    return OptimizedModule(gm, report, original_keys=model.state_dict().keys())
 
 
 def _select_passes(
