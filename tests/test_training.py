@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +20,10 @@ from graphopt.checkpoint import to_optimized
 from graphopt.models import REFERENCE_MODELS
 from graphopt.verify import tolerance_for
 from tests.conftest import randomize_batch_norms, relative_error
+from tests.ddp_training_worker import LEARNING_RATE, MODELS, STEPS as DDP_STEPS, WORLD_SIZE, dropout_seed, full_batch, shard
 
 CNNS = ("resnet", "mobilenet_v2", "convnext")
+REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 
 
@@ -114,3 +121,58 @@ def test_bf16_training_preset_follows_autocast_losses() -> None:
     expected_losses, losses = train(reference, autocast_bf16_channels_last), train(optimized, eager)
     assert losses[-2] < losses[0] and losses[-1] < losses[1], f"the optimized model learns: {losses}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-2, atol=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _reference_gradients(name: str) -> list[dict[str, torch.Tensor]]:
+    """The original model trained in one process on the whole batch: the gradients DDP must reproduce.
+
+    ConvNeXt has no batch statistics, so one pass over the full batch is exactly what two
+    ranks averaging their halves compute. BatchNorm (the ResNet) normalises each rank's
+    half with that half's statistics (SyncBatchNorm needs a GPU), so the one-process
+    equivalent runs the two halves of the full batch and averages their gradients.
+    """
+    reference = REFERENCE_MODELS[name].build(seed=0).train()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LEARNING_RATE)
+    gradients = []
+    for step in range(DDP_STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        if name == "convnext":
+            images, labels = full_batch()
+            F.cross_entropy(reference(images), labels).backward()
+        else:
+            for rank in range(WORLD_SIZE):
+                torch.manual_seed(dropout_seed(step, rank))
+                images, labels = shard(rank)
+                (F.cross_entropy(reference(images), labels) / WORLD_SIZE).backward()
+        gradients.append({key: p.grad.clone() for key, p in reference.named_parameters()})
+        optimizer.step()
+    return gradients
+
+
+@pytest.mark.slow
+def test_ddp_gradients_match_one_process_on_the_full_batch(tmp_path: Path) -> None:
+    """Two gloo ranks train the optimized (channels_last, bias-dropped) model with DDP, no stride warnings."""
+    output, port = tmp_path / "gradients.pt", _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    worker = [sys.executable, "-m", "tests.ddp_training_worker"]
+    ranks = [
+        subprocess.Popen([*worker, str(rank), str(port), str(output)], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], errors
+    assert "do not match bucket view strides" not in "".join(errors)
+
+    ddp_gradients = torch.load(output)
+    dropped = {"resnet": {"stem_conv.bias", "layer1.conv1.bias", "layer2.conv1.bias", "layer3.conv1.bias", "layer4.conv1.bias"}, "convnext": set()}
+    for name in MODELS:
+        for step, (expected, actual) in enumerate(zip(_reference_gradients(name), ddp_gradients[name], strict=True)):
+            assert set(expected) - set(actual) == dropped[name]
+            for key, gradient in actual.items():
+                torch.testing.assert_close(gradient, expected[key], rtol=1e-3, atol=1e-6, msg=f"{name} step {step}: {key}")
