@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import graphopt
 from graphopt.models import resnet_small
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,3 +39,9 @@ def test_train_ddp_runs_under_torchrun_on_cpu(tmp_path: Path) -> None:
 
     restored = resnet_small()
     restored.load_state_dict(torch.load(checkpoint))  # the original model's keys: a strict load
+
+
+def test_train_ddp_follows_the_playbook() -> None:
+    """graphopt's own training-script linter finds nothing to improve in the example."""
+    path = REPO / "examples" / "train_ddp.py"
+    assert graphopt.lint.check_source(path.read_text(), str(path)) == []
