@@ -124,12 +124,23 @@ class OptimizedModule(nn.Module):
                 f"this is not a state_dict of the model that was optimized: missing keys {missing[:5]}, unexpected keys "
                 f"{unexpected[:5]}. Pass original_model.state_dict(); for this module's own keys use load_state_dict()."
             )
-        converted = to_optimized(state_dict, self.state_changes)
         own = self.state_dict()
-        fp32_weights = self.graph_module.meta.get("graphopt_fp32_weights", {})
-        for name in fp32_weights:  # kept in fp32 for fp32_weights(); load_state_dict casts the stored copy
-            fp32_weights[name] = converted[name].detach().clone()
+        advice = "pass the state_dict of the model that was optimized, built with the same configuration"
+        try:
+            converted = to_optimized(state_dict, self.state_changes)
+        except RuntimeError as error:  # shapes the folding math cannot combine
+            raise CheckpointError(f"the checkpoint's tensors do not fit this model ({error}): {advice}") from error
+        mismatched = [
+            f"{key} {tuple(converted[key].shape)} instead of {tuple(value.shape)}"
+            for key, value in own.items()
+            if key in converted and converted[key].shape != value.shape
+        ]
+        if mismatched:  # checked before anything is loaded: a refused checkpoint leaves the module as it was
+            raise CheckpointError(f"the checkpoint's tensors do not fit this model ({', '.join(mismatched[:3])}): {advice}")
         self.load_state_dict({key: value for key, value in converted.items() if key in own})
+        fp32_weights = self.graph_module.meta.get("graphopt_fp32_weights", {})
+        for name in fp32_weights.keys() & converted.keys():  # the fp32 values behind the low-precision copies just loaded
+            fp32_weights[name] = converted[name].detach().clone()
 
     def original_state_dict(self) -> dict[str, torch.Tensor]:
         """This module's state with the original model's keys, for ``original_model.load_state_dict``.
@@ -140,6 +151,8 @@ class OptimizedModule(nn.Module):
         """
         state = {key: value.detach().clone() for key, value in self.state_dict().items()}
         for name, value in self.fp32_weights().items():
+            if name not in state:
+                continue  # a constant, not part of the state
             unchanged = torch.equal(value.to(state[name].dtype), state[name])
             state[name] = value.clone() if unchanged else state[name].to(value.dtype)
         original = to_original(state, self.state_changes)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt.checkpoint import DroppedBias, FoldedBatchNorm, to_optimized
-from graphopt.models import REFERENCE_MODELS
+from graphopt.models import REFERENCE_MODELS, resnet_small
 from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
 
 CNNS = ("resnet", "mobilenet_v2", "convnext")
@@ -227,6 +227,21 @@ def test_wrong_checkpoints_are_refused_with_the_keys() -> None:
     with pytest.raises(graphopt.CheckpointError, match="unexpected keys"):
         optimized.load_original_state_dict(optimized.state_dict())  # its own keys belong to load_state_dict
     assert issubclass(graphopt.CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_tensors_of_other_shapes_are_refused(mode: str) -> None:
+    optimized = graphopt.optimize(REFERENCE_MODELS["resnet"].build(), inputs(), mode=mode, memory_format="preserve")
+    before = {key: value.clone() for key, value in optimized.state_dict().items()}
+    narrower = resnet_small(width=8)  # the same keys, other shapes
+    with pytest.raises(graphopt.CheckpointError, match=r"do not fit this model \(.*\): pass the state_dict .* same configuration"):
+        optimized.load_original_state_dict(narrower.state_dict())
+    after = optimized.state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items()), "nothing was loaded"
+
+    inconsistent = {**REFERENCE_MODELS["resnet"].build().state_dict(), "stem_bn.running_var": torch.ones(3)}
+    with pytest.raises(graphopt.CheckpointError, match="do not fit this model"):
+        optimized.load_original_state_dict(inconsistent)  # a BatchNorm of 3 features after a conv of 16 channels
 
 
 def test_conversion_names_a_key_it_needs() -> None:
