@@ -12,6 +12,7 @@ from graphopt.capture import capture
 from graphopt.diff import GraphDiff, diff
 from graphopt.errors import (
     CaptureError,
+    CheckpointError,
     ExportError,
     GraphoptError,
     InvalidInputsError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "ExportError",
     "ExportReport",
     "GraphDiff",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +20,10 @@ import torch.nn as nn
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, FusedRegion, compile_graph, compile_regions
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.device import enable_cudnn_benchmark, resolve_device
+from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
 from graphopt.diff import snapshot
-from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
-from graphopt.ops import PRECISION_FAMILY_NAMES
+from graphopt.errors import CheckpointError, InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
+from graphopt.ops import PRECISION_FAMILY_NAMES, get_attr
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.pipeline import resolve_passes, run_passes
@@ -46,11 +47,15 @@ class OptimizedModule(nn.Module):
     - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
       removed dropout would train wrongly); a graph captured by torch.export has its
       train/eval behaviour fixed, so switching its mode raises too.
+    - Checkpoints: ``parameter_map`` says what became of each original key that a pass
+      removed or rewrote; ``load_original_state_dict`` loads a checkpoint of the original
+      model (re-applying the passes' changes); ``original_state_dict`` gives this
+      module's state with the original model's keys (see `graphopt.checkpoint`).
     """
 
     graph_module: fx.GraphModule
 
-    def __init__(self, graph_module: fx.GraphModule, report: Report, runner: FusedRegion | None = None) -> None:
+    def __init__(self, graph_module: fx.GraphModule, report: Report, runner: FusedRegion | None = None, original_keys: Iterable[str] = ()) -> None:
         super().__init__()
         # Share, don't register: registering would prefix every state_dict key with "graph_module.".
         object.__setattr__(self, "graph_module", graph_module)
@@ -62,6 +67,7 @@ class OptimizedModule(nn.Module):
         self.graphopt_report = report
         self.training = report.mode == "training"
         self.inference_mode = report.mode == "inference" and not _updates_state(graph_module)
+        self.original_keys = tuple(original_keys)  # the original model's state_dict keys, in its order
 
     @property
     def graph(self) -> fx.Graph:
@@ -96,6 +102,68 @@ class OptimizedModule(nn.Module):
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 values of the weights stored in low precision for inference (empty otherwise), by name."""
         return dict(self.graph_module.meta.get("graphopt_fp32_weights", {}))
+
+    @property
+    def state_changes(self) -> list[StateChange]:
+        """The changes the passes made to stored tensors, in the order they made them."""
+        return [change for report in self.graphopt_report.passes for change in report.state_changes]
+
+    @property
+    def parameter_map(self) -> dict[str, str]:
+        """Each original state_dict key a pass removed or rewrote, with what became of it; other keys are unchanged."""
+        mapping = key_map(self.state_changes)
+        for name, value in self.graph_module.meta.get("graphopt_fp32_weights", {}).items():
+            stored = f"stored in {str(get_attr(self.graph_module, name).dtype).removeprefix('torch.')} (fp32 value: fp32_weights())"
+            mapping[name] = f"{mapping[name]}; {stored}" if name in mapping else stored
+        return mapping
+
+    def load_original_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a checkpoint of the original model, folding and dropping as the passes did.
+
+        Keys are checked against the original model's: a missing or unexpected key raises
+        `CheckpointError`. Tensors that forward never reads (not part of the graph) are ignored.
+        """
+        if self.original_keys and set(state_dict) != set(self.original_keys):
+            missing, unexpected = sorted(set(self.original_keys) - set(state_dict)), sorted(set(state_dict) - set(self.original_keys))
+            raise CheckpointError(
+                f"this is not a state_dict of the model that was optimized: missing keys {missing[:5]}, unexpected keys "
+                f"{unexpected[:5]}. Pass original_model.state_dict(); for this module's own keys use load_state_dict()."
+            )
+        own = self.state_dict()
+        advice = "pass the state_dict of the model that was optimized, built with the same configuration"
+        try:
+            converted = to_optimized(state_dict, self.state_changes)
+        except RuntimeError as error:  # shapes the folding math cannot combine
+            raise CheckpointError(f"the checkpoint's tensors do not fit this model ({error}): {advice}") from error
+        mismatched = [
+            f"{key} {tuple(converted[key].shape)} instead of {tuple(value.shape)}"
+            for key, value in own.items()
+            if key in converted and converted[key].shape != value.shape
+        ]
+        if mismatched:  # checked before anything is loaded: a refused checkpoint leaves the module as it was
+            raise CheckpointError(f"the checkpoint's tensors do not fit this model ({', '.join(mismatched[:3])}): {advice}")
+        self.load_state_dict({key: value for key, value in converted.items() if key in own})
+        fp32_weights = self.graph_module.meta.get("graphopt_fp32_weights", {})
+        for name in fp32_weights.keys() & converted.keys():  # the fp32 values behind the low-precision copies just loaded
+            fp32_weights[name] = converted[name].detach().clone()
+
+    def original_state_dict(self) -> dict[str, torch.Tensor]:
+        """This module's state with the original model's keys, for ``original_model.load_state_dict``.
+
+        Exact for dropped biases (they come back as zeros, an equivalent model in train and
+        eval mode); a folded BatchNorm comes back as an identity BatchNorm after the folded
+        conv, equivalent in eval mode only. Weights stored in low precision come back in fp32.
+        """
+        state = {key: value.detach().clone() for key, value in self.state_dict().items()}
+        for name, value in self.fp32_weights().items():
+            if name not in state:
+                continue  # a constant, not part of the state
+            unchanged = torch.equal(value.to(state[name].dtype), state[name])
+            state[name] = value.clone() if unchanged else state[name].to(value.dtype)
+        original = to_original(state, self.state_changes)
+        if not self.original_keys:
+            return original
+        return {key: original[key] for key in self.original_keys if key in original}
 
     def extra_repr(self) -> str:
         return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"
@@ -258,7 +326,7 @@ def optimize(
             runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
         else:
             report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
-    return OptimizedModule(gm, report, runner)
+    return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys())
 
 
 def _select_passes(

@@ -53,5 +53,9 @@ class ModeSwitchError(GraphoptError, RuntimeError):
     """An optimized module was switched to a mode its rewrites do not support."""
 
 
+class CheckpointError(GraphoptError, ValueError):
+    """A state dict does not fit the model it is loaded into or converted for."""
+
+
 class ExportError(GraphoptError):
     """The model could not be exported to ONNX, or the file failed its checks."""

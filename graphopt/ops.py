@@ -414,6 +414,17 @@ _BATCH_NORM_FUNCTIONS: dict[Any, tuple[Form, _Signature, bool]] = {
 }
 
 
+_BATCH_NORM_ROLES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+def _has_attr(root: nn.Module, target: str) -> bool:
+    try:
+        get_attr(root, target)
+    except AttributeError:
+        return False
+    return True
+
+
 @dataclass
 class BatchNormView:
     """A batch normalisation in any form, with its statistics and affine parameters."""
@@ -432,6 +443,8 @@ class BatchNormView:
     running_mean_target: str | None
     module: nn.Module | None = None
     unsupported: str | None = None
+    # attribute path of each stored tensor, by role: weight, bias, running_mean, running_var, num_batches_tracked
+    targets: dict[str, str] = field(default_factory=dict)
 
 
 
@@ -461,15 +474,21 @@ def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
             running_mean_target=f"{node.target}.running_mean" if module.running_mean is not None else None,
             module=module,
             unsupported=unsupported,
+            targets={role: f"{node.target}.{role}" for role in _BATCH_NORM_ROLES if getattr(module, role, None) is not None},
         )
     if node.op != "call_function" or node.target not in _BATCH_NORM_FUNCTIONS:
         return None
     form, signature, returns_tuple = _BATCH_NORM_FUNCTIONS[node.target]
     arguments = Arguments(node, signature.names, signature.defaults)
-    weight, _ = _resolve(gm, arguments.get("weight"))
-    bias, _ = _resolve(gm, arguments.get("bias"))
+    weight, weight_target = _resolve(gm, arguments.get("weight"))
+    bias, bias_target = _resolve(gm, arguments.get("bias"))
     running_mean, running_mean_target = _resolve(gm, arguments.get("running_mean"))
-    running_var, _ = _resolve(gm, arguments.get("running_var"))
+    running_var, running_var_target = _resolve(gm, arguments.get("running_var"))
+    targets = {"weight": weight_target, "bias": bias_target, "running_mean": running_mean_target, "running_var": running_var_target}
+    if running_mean_target is not None and running_mean_target.endswith("running_mean"):
+        # the counter is not an argument: it lives beside the running mean
+        counter = running_mean_target.removesuffix("running_mean") + "num_batches_tracked"
+        targets["num_batches_tracked"] = counter if _has_attr(gm, counter) else None
     unsupported = None
     for name, value in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
         if arguments.get(name) is not None and value is None:
@@ -494,6 +513,7 @@ def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
         running_var=running_var,
         running_mean_target=running_mean_target,
         unsupported=unsupported,
+        targets={role: target for role, target in targets.items() if target is not None},
     )
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphopt.checkpoint import StateChange
+
 
 def describe(node: fx.Node) -> str:
     """The name a user knows a node by: its module path when it has one, else the node name."""
@@ -77,6 +79,7 @@ class PassReport:
     created: list[NodeChange] = field(default_factory=list)
     erased: list[NodeChange] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # summaries and decisions, e.g. conversion counts
+    state_changes: list[StateChange] = field(default_factory=list)  # stored tensors removed or rewritten (graphopt.checkpoint)
     modified: bool = False
     max_error: float | None = None  # error vs the original model after this pass (None: not verified)
     mean_error: float | None = None  # mean error over the worst output, when this pass was verified

@@ -10,6 +10,8 @@ mode BatchNorm subtracts ``running_mean`` instead, so the pass also sets
 ``(1-m)(rm - b) + m(mean - b)`` and the cumulative average both keep the offset, so the
 model stays exact in train and eval mode, before and after optimizer steps.
 Gradients of the remaining parameters are unchanged; the parameter count drops.
+Each dropped bias is recorded as a `graphopt.checkpoint.DroppedBias`, so checkpoints of
+the original model load into the optimized one and back.
 
 Preconditions (recorded skip reasons): the conv's only use is the BatchNorm, its
 parameters are not shared, the statistics are stored float tensors not shared with
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphopt.checkpoint import DroppedBias
 from graphopt.ops import ParameterUsage
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.passes.conv_bn_pairs import conv_bn_pairs
@@ -39,7 +42,10 @@ def drop_conv_bias(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if reason is not None:
             report.skip(node, reason)
             continue
-        assert producer.bias is not None
+        assert producer.bias is not None and producer.weight_target is not None
+        report.state_changes.append(
+            DroppedBias(producer.bias_target, producer.weight_target, bn.running_mean_target, producer.bias.numel(), describe(node))
+        )
         if bn.running_mean is not None:
             with torch.no_grad():
                 bn.running_mean.sub_(producer.bias.detach().to(bn.running_mean.dtype))

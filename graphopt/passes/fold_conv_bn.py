@@ -8,7 +8,9 @@ output channel::
     b' = (b - running_mean) * s + beta
 
 computed by ``torch.nn.utils.fusion.fuse_conv_bn_weights`` / ``fuse_linear_bn_weights``.
-The BatchNorm node disappears and its users read the conv's output.
+The BatchNorm node disappears and its users read the conv's output. Each fold is
+recorded as a `graphopt.checkpoint.FoldedBatchNorm`, so an original checkpoint can be
+folded the same way (``OptimizedModule.load_original_state_dict``).
 
 Preconditions, each a recorded skip reason when it fails:
 - the BatchNorm normalises with running statistics (eval mode, track_running_stats);
@@ -27,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
+from graphopt.checkpoint import FoldedBatchNorm
 from graphopt.ops import ParameterUsage
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.passes.conv_bn_pairs import conv_bn_pairs
@@ -57,8 +60,24 @@ def fold_conv_bn(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 producer.weight, producer.bias, bn.running_mean, bn.running_var, bn.eps, gamma, beta,
                 transpose=producer.transposed,
             )
+        own_bias = producer.bias_target
         producer.set_weight(gm, weight)
         producer.set_bias(gm, bias)
+        assert producer.weight_target is not None and producer.bias_target is not None
+        report.state_changes.append(
+            FoldedBatchNorm(
+                kind="linear" if producer.kind == "linear" else "conv_transpose" if producer.transposed else "conv",
+                weight=producer.weight_target,
+                bias=own_bias,
+                folded_bias=producer.bias_target,
+                running_mean=bn.targets["running_mean"],
+                running_var=bn.targets["running_var"],
+                batch_norm_weight=bn.targets.get("weight"),
+                batch_norm_bias=bn.targets.get("bias"),
+                num_batches_tracked=bn.targets.get("num_batches_tracked"),
+                eps=bn.eps,
+            )
+        )
         bn.output.replace_all_uses_with(producer.node)
         if bn.output is not node:  # tuple-returning form: erase the getitem, then the op
             gm.graph.erase_node(bn.output)

@@ -6,7 +6,8 @@ padding, concatenation, residual adds, interpolation). The pass:
 
 1. converts the weights of 2-D (and 3-D: ``channels_last_3d``) convolutions once, at
    optimize time, to the strides their gradients will have (``param.data`` is replaced,
-   as ``Module.to(memory_format=...)`` does, so tied parameters stay tied);
+   as ``Module.to(memory_format=...)`` does, so tied parameters stay tied), also when
+   a conv reads its weight through a dtype cast (mixed-precision training);
 2. runs the graph on the example inputs, following the real layout of every value, and
    inserts ``x.contiguous(memory_format=channels_last)`` only where a conv would
    receive another layout (typically once, on the graph input); the value's other
@@ -35,7 +36,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.ops import insert_reader, interpreter_inputs, is_permute, is_reshape, layout_of, weighted_op_view
+from graphopt.ops import WeightedOpView, get_attr, insert_reader, interpreter_inputs, is_permute, is_reshape, layout_of, weighted_op_view
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -94,6 +95,22 @@ def _insert_conversion(gm: fx.GraphModule, value: fx.Node, users: list[fx.Node],
     return insert_reader(gm, value, "contiguous", (), kwargs, users, CONVERSION)
 
 
+def _cast_stored_weight(gm: fx.GraphModule, conv: WeightedOpView) -> torch.Tensor | None:
+    """The stored weight a conv reads through a dtype cast (``use_low_precision`` in training), else None.
+
+    ``.to(dtype)`` keeps the strides of a dense tensor, so storing the weight in
+    channels_last makes the cast one channels_last too, with no conversion per call.
+    """
+    cast = conv.arguments.get("weight") if conv.arguments is not None else None
+    if not (isinstance(cast, fx.Node) and cast.op == "call_method" and cast.target == "to" and isinstance(cast.args[0], fx.Node)):
+        return None
+    source = cast.args[0]
+    if source.op != "get_attr" or len(cast.args) != 2 or not isinstance(cast.args[1], torch.dtype) or cast.kwargs:
+        return None
+    value = get_attr(gm, str(source.target))
+    return value if isinstance(value, torch.Tensor) and value.dim() == conv.spatial_dims + 2 else None
+
+
 def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it."""
     report = PassReport("to_channels_last")
@@ -104,13 +121,14 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if conv is None or conv.spatial_dims not in (2, 3):
             continue
         conv_ranks[node] = conv.spatial_dims + 2
-        if conv.weight is None:
+        weight = conv.weight if conv.weight is not None else _cast_stored_weight(gm, conv)
+        if weight is None:
             report.skip(node, "weight computed in the graph: converted on every call, not once")
-        elif id(conv.weight) not in converted_weights:
-            converted_weights.add(id(conv.weight))
+        elif id(weight) not in converted_weights:
+            converted_weights.add(id(weight))
             # clone, not contiguous(): a 1x1 kernel is already "channels_last" with NCHW strides,
             # but its gradients come back with channels_last strides, and DDP warns on the mismatch
-            conv.weight.data = conv.weight.data.clone(memory_format=_CHANNELS_LAST[conv.weight.dim()])
+            weight.data = weight.data.clone(memory_format=_CHANNELS_LAST[weight.dim()])
     if not conv_ranks:
         report.notes.append("no 2-D or 3-D convolutions: nothing to gain from channels_last")
         return finish(gm, False, report)

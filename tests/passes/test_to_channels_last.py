@@ -227,6 +227,26 @@ def test_training_gradients_match_and_parameters_stay_channels_last(frontend: st
     assert conv_weights and all(p.is_contiguous(memory_format=CL) for p in conv_weights)
 
 
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_weights_cast_for_mixed_precision_training_are_stored_channels_last(frontend: str) -> None:
+    """use_low_precision reads training weights through ``.to(bf16)``: they are stored channels_last once.
+
+    Gradients then come back with exactly the parameters' strides (1x1 kernels included),
+    which is what DDP compares with its bucket views.
+    """
+    model = REFERENCE_MODELS["resnet"].build().train()
+    inputs = (torch.randn(4, 3, 32, 32),)
+    optimized = graphopt.optimize(model, inputs, frontend=frontend, memory_format="channels_last", precision="bf16")
+    report = optimized.graphopt_report["to_channels_last"]
+    assert "12 conv weights stored in channels_last" in report.notes
+    assert len(conversions(optimized.graph_module)) == 1, "the input only: no conversion of a weight per call"
+    assert not report.skips
+    optimized(*inputs).square().mean().backward()
+    conv_weights = [p for p in optimized.parameters() if p.dim() == 4]
+    assert any(p.shape[-1] == 1 for p in conv_weights), "1x1 kernels are covered"
+    assert all(p.grad.stride() == p.stride() for p in conv_weights)
+
+
 def test_optimize_reports_the_pass() -> None:
     model = randomize_batch_norms(REFERENCE_MODELS["mobilenet_v2"].build()).eval()
     inputs = (torch.randn(2, 3, 32, 32),)
