@@ -27,8 +27,8 @@ from graphopt.timing import compare_latency
 PRESETS: dict[Mode, tuple[str, ...]] = {
     # dropout first so BatchNorms behind a removed identity are seen by the folding pass;
     # layout last, on the final set of convs
-    "inference": ("remove_dropout", "fold_conv_bn", "to_channels_last"),
-    "training": ("drop_conv_bias", "to_channels_last"),
+    "inference": ("remove_dropout", "use_attention_kernel", "fold_conv_bn", "to_channels_last"),
+    "training": ("use_attention_kernel", "drop_conv_bias", "to_channels_last"),
 }
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
