@@ -157,9 +157,9 @@ def test_passes_and_disable_choose_what_runs() -> None:
     only = graphopt.optimize(model, inputs, passes=["fold_conv_bn"]).graphopt_report
     assert [p.name for p in only.passes] == ["fold_conv_bn"]
     without = graphopt.optimize(model, inputs, disable=["fold_conv_bn"]).graphopt_report
-    assert [p.name for p in without.passes] == ["remove_dropout", "to_channels_last"]
+    assert [p.name for p in without.passes] == ["remove_dropout", "use_attention_kernel", "to_channels_last"]
     preserved = graphopt.optimize(model, inputs, memory_format="preserve").graphopt_report
-    assert [p.name for p in preserved.passes] == ["remove_dropout", "fold_conv_bn"]
+    assert [p.name for p in preserved.passes] == ["remove_dropout", "use_attention_kernel", "fold_conv_bn"]
     exact_in_inference = graphopt.optimize(model, inputs, passes=["drop_conv_bias"]).graphopt_report
     assert len(exact_in_inference["drop_conv_bias"].rewrites) == 5
 
@@ -181,12 +181,12 @@ def test_report_contents_and_renderings() -> None:
     assert "layer1.bn1" in erased and "stem_bn" in erased and len(erased) == 12
     assert fold.created == []
     data = json.loads(report.to_json())
-    assert data["frontend"] == "fx" and data["passes"][1]["name"] == "fold_conv_bn"
+    assert data["frontend"] == "fx" and data["passes"][2]["name"] == "fold_conv_bn"
     text = str(report)
     assert "fold_conv_bn" in text and "remove_dropout" in text and "frontend: fx" in text
     assert "<table>" in report._repr_html_() and "fold_conv_bn" in report._repr_html_()
     assert report.why("layer1.bn1") and "folded" in report.why("layer1.conv1")[0]
-    with pytest.raises(KeyError, match="ran: remove_dropout, fold_conv_bn"):
+    with pytest.raises(KeyError, match="ran: remove_dropout, use_attention_kernel, fold_conv_bn"):
         report["drop_conv_bias"]
 
 

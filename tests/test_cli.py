@@ -84,17 +84,18 @@ def test_optimize_prints_the_report_and_writes_json(capsys: pytest.CaptureFixtur
     assert "graphopt: error" not in err
     assert "mode: inference" in out and "frontend: fx" in out and "verify: on" in out
     rows = table_rows(out)
-    assert list(rows) == ["remove_dropout", "fold_conv_bn", "to_channels_last"]
+    assert list(rows) == ["remove_dropout", "use_attention_kernel", "fold_conv_bn", "to_channels_last"]
     assert f"report written to {report_path}" in out
 
     data = json.loads(report_path.read_text())
     assert data["mode"] == "inference" and data["frontend"] == "fx"
     passes = {p["name"]: p for p in data["passes"]}
-    assert list(passes) == ["remove_dropout", "fold_conv_bn", "to_channels_last"]
+    assert list(passes) == ["remove_dropout", "use_attention_kernel", "fold_conv_bn", "to_channels_last"]
     for name, report in passes.items():
-        assert len(report["rewrites"]) > 0, name
+        attention = name == "use_attention_kernel"  # a ResNet has no attention
+        assert len(report["rewrites"]) > 0 or attention, name
         assert all(rewrite["where"] and rewrite["detail"] for rewrite in report["rewrites"])
-        assert report["modified"] is True
+        assert report["modified"] is not attention
         # the table and the JSON describe the same run
         assert rows[name][0] == str(len(report["rewrites"]))
         assert rows[name][1] == str(len(report["skips"]))
@@ -106,7 +107,7 @@ def test_optimize_in_training_mode_runs_drop_conv_bias(capsys: pytest.CaptureFix
     assert code == 0, err
     assert "mode: training" in out
     rows = table_rows(out)
-    assert list(rows) == ["drop_conv_bias", "to_channels_last"]
+    assert list(rows) == ["use_attention_kernel", "drop_conv_bias", "to_channels_last"]
     assert int(rows["drop_conv_bias"][0]) > 0
 
 
@@ -127,12 +128,12 @@ def test_optimize_runs_the_passes_in_the_order_given(capsys: pytest.CaptureFixtu
 def test_optimize_leaves_out_disabled_passes(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "fold_conv_bn")
     assert code == 0, err
-    assert list(table_rows(out)) == ["remove_dropout", "to_channels_last"]
+    assert list(table_rows(out)) == ["remove_dropout", "use_attention_kernel", "to_channels_last"]
     assert "fold_conv_bn" not in out
 
 
 def test_optimize_with_every_pass_disabled_runs_none(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "remove_dropout,fold_conv_bn,to_channels_last")
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--disable", "remove_dropout,use_attention_kernel,fold_conv_bn,to_channels_last")
     assert code == 0, err
     assert table_rows(out) == {}
     assert "(no passes ran)" in out
@@ -304,7 +305,7 @@ def test_demo_prints_the_report_and_the_latency_ratio(capsys: pytest.CaptureFixt
     assert code == 0, err
     assert "graphopt demo: resnet" in out
     assert "input [2, 3, 64, 64]" in out
-    assert list(table_rows(out)) == ["remove_dropout", "fold_conv_bn", "to_channels_last"]
+    assert list(table_rows(out)) == ["remove_dropout", "use_attention_kernel", "fold_conv_bn", "to_channels_last"]
     ratio_lines = [line for line in out.splitlines() if "x vs eager" in line]
     assert len(ratio_lines) == 2
     assert ratio_lines[0].split()[0] == "eager" and ratio_lines[1].split()[0] == "graphopt"
@@ -326,5 +327,5 @@ def test_demo_rejects_a_batch_size_below_one(capsys: pytest.CaptureFixture[str],
 def test_optimize_in_bf16_adds_the_precision_pass(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--precision", "bf16", "--memory-format", "preserve")
     assert code == 0, err
-    assert list(table_rows(out)) == ["remove_dropout", "fold_conv_bn", "use_low_precision"]
+    assert list(table_rows(out)) == ["remove_dropout", "use_attention_kernel", "fold_conv_bn", "use_low_precision"]
     assert "of conv/linear/matmul FLOPs in low precision" in out

@@ -53,7 +53,7 @@ def registered(monkeypatch: pytest.MonkeyPatch):
 def test_presets_are_ordered_and_resolved() -> None:
     assert [p.name for p in resolve_passes("inference", None, ())] == list(PRESETS["inference"])
     assert [p.name for p in resolve_passes("training", None, ())] == list(PRESETS["training"])
-    assert [p.name for p in resolve_passes("inference", None, ["remove_dropout"])] == ["fold_conv_bn", "to_channels_last"]
+    assert [p.name for p in resolve_passes("inference", None, ["remove_dropout"])] == ["use_attention_kernel", "fold_conv_bn", "to_channels_last"]
     explicit = resolve_passes("inference", ["fold_conv_bn", "remove_dropout"], ())
     assert [p.name for p in explicit] == ["fold_conv_bn", "remove_dropout"]
 
