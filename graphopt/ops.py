@@ -664,6 +664,90 @@ def interpreter_inputs(gm: fx.GraphModule, args: tuple[Any, ...]) -> tuple[Any, 
     return tuple(pytree.tree_leaves(args)) if getattr(gm, "_in_spec", None) is not None else args
 
 
+# --------------------------------------------------------------------------- attention parts
+
+_MATMUL_METHODS = {"matmul", "bmm"}
+_MATMUL_TARGETS = {operator.matmul, torch.matmul, torch.bmm, aten.matmul.default, aten.bmm.default}
+# binary arithmetic: kind -> (methods, targets); keyword arguments (alpha, rounding_mode) are not accepted
+_ARITHMETIC: dict[str, tuple[set[str], set[Any]]] = {
+    "mul": ({"mul"}, {operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar}),
+    "div": ({"div"}, {operator.truediv, torch.div, torch.true_divide, aten.div.Tensor, aten.div.Scalar}),
+    "add": ({"add"}, {operator.add, torch.add, aten.add.Tensor}),
+}
+# softmax target -> argument names (F.softmax has a _stacklevel before dtype, aten._softmax a half_to_float flag)
+_SOFTMAX_SIGNATURES: dict[Any, tuple[str, ...]] = {
+    F.softmax: ("input", "dim", "_stacklevel", "dtype"),
+    torch.softmax: ("input", "dim", "dtype"),
+    aten.softmax.int: ("input", "dim", "dtype"),
+    aten._softmax.default: ("input", "dim", "half_to_float"),
+}
+
+
+def form_of(node: fx.Node) -> Form:
+    """The spelling a node uses: "aten" for torch.export's ATen ops, else "module"/"function"."""
+    if node.op == "call_module":
+        return "module"
+    return "aten" if isinstance(node.target, torch._ops.OpOverload) else "function"
+
+
+def matmul_operands(gm: nn.Module, node: fx.Node) -> tuple[Any, Any] | None:
+    """The two operands of a matmul/bmm (``a @ b``, ``torch.matmul``, ``aten.bmm``, ...), else None."""
+    if len(node.args) != 2 or node.kwargs or not _matches(gm, node, _MATMUL_METHODS, _MATMUL_TARGETS):
+        return None
+    return node.args[0], node.args[1]
+
+
+def arithmetic_operands(gm: nn.Module, node: fx.Node, kind: str) -> tuple[Any, Any] | None:
+    """The operands of a plain binary ``kind`` ("mul", "div", "add") with no alpha/rounding mode, else None."""
+    methods, targets = _ARITHMETIC[kind]
+    if len(node.args) != 2 or node.kwargs or not _matches(gm, node, methods, targets):
+        return None
+    return node.args[0], node.args[1]
+
+
+@dataclass
+class SoftmaxView:
+    """A softmax in any form, with the dimension it normalises (None: implicit) and its dtype argument."""
+
+    node: fx.Node
+    input: Any
+    dim: int | None
+    dtype: Any  # a dtype argument (or aten._softmax's half_to_float) that changes the result's dtype
+
+
+def softmax_view(gm: fx.GraphModule, node: fx.Node) -> SoftmaxView | None:
+    """View of a softmax node (nn.Softmax, ``x.softmax``, F.softmax, ATen), else None."""
+    if node.op == "call_module":
+        module = called_module(gm, node)
+        if type(module) is not nn.Softmax:
+            return None
+        return SoftmaxView(node, node.args[0], module.dim, None)
+    if node.op == "call_method" and node.target == "softmax":
+        names: tuple[str, ...] = ("input", "dim", "dtype")
+    elif node.op == "call_function" and node.target in _SOFTMAX_SIGNATURES:
+        names = _SOFTMAX_SIGNATURES[node.target]
+    else:
+        return None
+    arguments = Arguments(node, names, {})
+    dtype = arguments.get("half_to_float") if "half_to_float" in names else arguments.get("dtype")
+    return SoftmaxView(node, node.args[0], arguments.get("dim"), dtype or None)
+
+
+def swapped_last_dims_input(gm: nn.Module, node: fx.Node, rank: int) -> Any:
+    """The input of a transpose/permute that swaps the last two dims of a rank-``rank`` tensor, else None."""
+    if not is_permute(gm, node) or node.kwargs:
+        return None
+    method = node.op == "call_method" and node.target
+    if method == "transpose" or node.target in (torch.transpose, aten.transpose.int):
+        dims = sorted(d % rank for d in node.args[1:])
+        return node.args[0] if dims == [rank - 2, rank - 1] else None
+    if method == "permute" or node.target in (torch.permute, aten.permute.default):
+        order = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        expected = [*range(rank - 2), rank - 1, rank - 2]
+        return node.args[0] if [d % rank for d in order] == expected else None
+    return None
+
+
 # --------------------------------------------------------------------------- precision families
 
 

@@ -27,8 +27,14 @@ from graphopt.timing import compare_latency
 PRESETS: dict[Mode, tuple[str, ...]] = {
     # sync points first, on the model as written; dropout before folding so BatchNorms behind
     # a removed identity are seen by the folding pass; layout last, on the final set of convs
-    "inference": ("report_sync_points", "remove_dropout", "create_on_device", "as_tensor", "remove_redundant_transfers", "fold_conv_bn", "to_channels_last"),
-    "training": ("report_sync_points", "create_on_device", "as_tensor", "remove_redundant_transfers", "drop_conv_bias", "to_channels_last"),
+    "inference": (
+        "report_sync_points", "remove_dropout", "use_attention_kernel", "create_on_device", "as_tensor",
+        "remove_redundant_transfers", "fold_conv_bn", "to_channels_last",
+    ),
+    "training": (
+        "report_sync_points", "use_attention_kernel", "create_on_device", "as_tensor", "remove_redundant_transfers",
+        "drop_conv_bias", "to_channels_last",
+    ),
 }
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 

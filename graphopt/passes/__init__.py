@@ -20,6 +20,7 @@ from graphopt.passes.remove_dropout import remove_dropout
 from graphopt.passes.remove_redundant_transfers import remove_redundant_transfers
 from graphopt.passes.report_sync_points import report_sync_points
 from graphopt.passes.to_channels_last import to_channels_last
+from graphopt.passes.use_attention_kernel import use_attention_kernel
 from graphopt.passes.use_low_precision import use_low_precision
 
 
@@ -53,6 +54,12 @@ REGISTRY: dict[str, PassInfo] = {
             "remove no-op and round-trip .to()/.cpu()/.cuda() moves and casts; host-to-device copies made non_blocking",
         ),
         PassInfo("remove_dropout", remove_dropout, ("inference",), "remove dropout and identity ops that do nothing at inference"),
+        PassInfo(
+            "use_attention_kernel",
+            use_attention_kernel,
+            ("inference", "training"),
+            "compute hand-written attention and nn.MultiheadAttention self-attention with F.scaled_dot_product_attention",
+        ),
         PassInfo("fold_conv_bn", fold_conv_bn, ("inference",), "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear"),
         PassInfo("drop_conv_bias", drop_conv_bias, ("training", "inference"), "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)"),
         PassInfo(
