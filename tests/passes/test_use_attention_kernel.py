@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
+from graphopt.pipeline import PRESETS
 from graphopt.passes.use_attention_kernel import use_attention_kernel
 from graphopt.passes.use_low_precision import CAST
 from tests.conftest import FRONTENDS, assert_trains_like, captured, context, relative_error
@@ -404,6 +405,7 @@ def test_bf16_inference_stores_attention_weights_in_bf16_once(frontend: str) -> 
 def test_default_presets_include_the_pass() -> None:
     model = SelfAttention().eval()
     fast = graphopt.optimize(model, (torch.randn(2, 5, 16),), frontend="fx")
-    assert [r.name for r in fast.graphopt_report.passes][:2] == ["remove_dropout", "use_attention_kernel"]
+    ran = [r.name for r in fast.graphopt_report.passes]
+    assert "use_attention_kernel" in ran and ran == list(PRESETS["inference"][: len(ran)])
     assert multihead_calls(fast.graph_module) == []
     assert copy.deepcopy(fast)(torch.randn(4, 5, 16)).shape == (4, 5, 16)
