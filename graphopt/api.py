@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from graphopt import tuning
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, FusedRegion, compile_graph, compile_regions
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.device import enable_cudnn_benchmark, resolve_device
@@ -233,6 +234,9 @@ def optimize(
     fp32_ops: Iterable[str] | None = None,
     fuse: str | None = None,
     device: str | torch.device | None = None,
+    tune: bool = False,
+    accuracy: float | None = None,
+    tune_budget_s: float = tuning.DEFAULT_BUDGET_S,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -267,6 +271,14 @@ def optimize(
         device: the device the model will run on (default: where its parameters are);
             the copy is moved there, and the example inputs must be on it. On CUDA,
             graphs with convolutions and static input shapes turn on cudnn.benchmark.
+        tune: build candidate configurations (the graph with no passes; memory formats;
+            each low precision ``accuracy`` admits; fusion when ``tune_budget_s`` allows),
+            time them on the example inputs and return the fastest within ``accuracy``.
+            Options given explicitly (``memory_format``, ``precision``, ``fuse``,
+            ``passes``) are kept, not tuned. Choices are cached (see ``graphopt.tuning``).
+        accuracy: with ``tune``, the largest error allowed, relative to the output's scale
+            (default: the fp32 tolerance, 1e-4, so only exact candidates; 3e-2 admits bf16).
+        tune_budget_s: with ``tune``, about how many seconds tuning may take.
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
@@ -280,6 +292,18 @@ def optimize(
         raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
     infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype, fuse)
     check_frontend(frontend)  # every option is checked before the costly steps below
+    if tune:
+        fixed = {
+            name: value
+            for name, value, default in (("memory_format", memory_format, "auto"), ("precision", precision, "fp32"), ("fuse", fuse, None), ("passes", passes, None))
+            if value != default
+        }
+        common = dict(
+            mode=mode, disable=disable, frontend=frontend, dynamic_batch=dynamic_batch, keep_channels_last_outputs=keep_channels_last_outputs,
+            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device,
+        )  # fmt: skip
+        return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
+    target = resolve_device(device, model, example_inputs)
     target = resolve_device(device, model, example_inputs)
     args = check_inputs(model, example_inputs, target if device is not None else None)
     try:
@@ -327,6 +351,36 @@ def optimize(
         else:
             report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
     return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys())
+
+
+def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed: dict[str, Any], accuracy: float | None, budget_s: float) -> OptimizedModule:
+    """``optimize(tune=True)``: the fastest accurate candidate (see `graphopt.tuning`)."""
+    if accuracy is None:
+        accuracy = tolerance_for(PRECISIONS[fixed.get("precision", "fp32")] or torch.float32)
+    if not (isinstance(accuracy, (int, float)) and accuracy > 0):
+        raise InvalidOptionError(f"accuracy={accuracy!r}: give the largest error allowed relative to the output's scale, e.g. 1e-4 or 3e-2")
+    if not (isinstance(budget_s, (int, float)) and budget_s > 0):
+        raise InvalidOptionError(f"tune_budget_s={budget_s!r}: give a number of seconds, e.g. 60")
+    low_precisions = [name for name in ("bf16", "fp16") if _supported(name, model)]
+    args = check_inputs(model, example_inputs)
+
+    def build(**options: Any) -> OptimizedModule:
+        return optimize(model, example_inputs, **{**common, **fixed, **options})
+
+    settings = {**common, "budget_s": budget_s}
+    return tuning.tune(build, model, args, fixed=fixed, accuracy=float(accuracy), budget_s=float(budget_s), low_precisions=low_precisions, settings=settings)
+
+
+def _supported(precision: str, model: nn.Module) -> bool:
+    """Whether ``precision`` runs on the model's device (bf16 on CPUs with bf16 kernels, fp16 on CUDA)."""
+    devices = {t.device.type for t in [*model.parameters(), *model.buffers()]} or {"cpu"}
+    if precision == "fp16" and devices == {"cpu"}:
+        return False  # CPU fp16 kernels, where they exist, are slower than bf16: not worth a candidate
+    try:
+        check_precision(precision, model)
+    except InvalidOptionError:
+        return False
+    return True
 
 
 def _select_passes(

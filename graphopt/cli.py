@@ -134,6 +134,8 @@ def _command_optimize(args: argparse.Namespace) -> int:
         keep_channels_last_outputs=args.keep_channels_last_outputs,
         precision=args.precision,
         fuse=args.fuse,
+        tune=args.tune,
+        accuracy=args.accuracy,
     )
     print(optimized.graphopt_report)
     if args.report:
@@ -311,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-channels-last-outputs", action="store_true", help="leave 4-D outputs in channels_last")
     run.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16/fp16: conv, linear, matmul in low precision (opt-in)")
     run.add_argument("--fuse", choices=FUSE_BACKENDS, default=None, help="compile pointwise regions (inductor, torchscript) or the whole graph")
+    run.add_argument("--tune", action="store_true", help="time candidate configurations and keep the fastest within --accuracy")
+    run.add_argument("--accuracy", type=float, default=None, help="with --tune: largest error allowed, relative to the output scale (3e-2 admits bf16)")
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")

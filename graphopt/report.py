@@ -131,6 +131,42 @@ class FusionReport:
 
 
 @dataclass
+class TuneCandidate:
+    """One configuration ``optimize(tune=True)`` considered."""
+
+    name: str
+    options: dict[str, Any]
+    status: str = "built"  # then "measured", "over budget", "failed"; or "not built"
+    seconds: float | None = None  # median latency on the example inputs
+    max_error: float | None = None  # relative to the output's scale, against the original model
+    build_seconds: float | None = None
+    reason: str = ""
+
+
+@dataclass
+class TuneReport:
+    """What ``optimize(tune=True)`` measured and why the winner won."""
+
+    winner: str
+    why: str
+    candidates: list[TuneCandidate]
+    accuracy: float
+    cache: str = "miss"  # "hit": the choice came from the cache, nothing was measured
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        source = "from the cache, not measured again" if self.cache == "hit" else f"tuned in {self.seconds:.1f}s"
+        lines = [f"tune: {self.winner} ({source}): {self.why}"]
+        for candidate in self.candidates:
+            if candidate.status == "measured" and candidate.seconds is not None:
+                result = f"{candidate.seconds * 1e3:.2f} ms, error {candidate.max_error or 0:.1e}"
+            else:
+                result = f"{candidate.status}: {candidate.reason}"
+            lines.append(f"    {'*' if candidate.name == self.winner else ' '} {candidate.name}: {result}")
+        return lines
+
+
+@dataclass
 class Report:
     """What `graphopt.optimize` did to a model, pass by pass."""
 
@@ -143,6 +179,7 @@ class Report:
     tolerance: float | None = None
     capture_seconds: float = 0.0
     fusion: FusionReport | None = None  # optimize(fuse=...): what the fusion backend compiled
+    tune: TuneReport | None = None  # optimize(tune=True): every candidate measured, and the winner
     # graph diffs, kept out of to_dict(): per pass (report.diffs["fold_conv_bn"]), and the
     # captured graph's nodes that graphopt.diff(optimized) compares the result with
     diffs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -205,6 +242,8 @@ class Report:
             lines.append("(no passes ran)")
         if self.fusion is not None:
             lines += self.fusion.lines()
+        if self.tune is not None:
+            lines += self.tune.lines()
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -218,5 +257,6 @@ class Report:
                 items = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in p.skips)
                 body.append(f'<tr><td colspan="6"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')
         notes = "".join(f"<p>{esc(n)}</p>" for n in self.notes)
-        fusion = f"<pre>{esc(chr(10).join(self.fusion.lines()))}</pre>" if self.fusion is not None else ""
+        extra = [part.lines() for part in (self.fusion, self.tune) if part is not None]
+        fusion = "".join(f"<pre>{esc(chr(10).join(lines))}</pre>" for lines in extra)
         return f"<div><p><b>{esc(self._header())}</b></p>{notes}<table><tr>{head}</tr>{''.join(body)}</table>{fusion}</div>"

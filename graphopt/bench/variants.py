@@ -202,6 +202,7 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         _graphopt_variant(
             "graphopt-low-cl-graph", f"graphopt {low} + CL + torch.compile", memory_format="channels_last", precision="low", fuse="graph"
         ),
+        _graphopt_variant("graphopt-tune", "graphopt tuned (accuracy 3e-2)", tune=True, accuracy=3e-2),
         Variant("compile", "torch.compile fp32", "peer", _torch_compile()),
         Variant("compile-amp-cl", f"torch.compile {low} autocast + CL", "peer", _torch_compile(channels_last=True, autocast=True)),
         Variant("fx-ofi", "fx optimize_for_inference", "peer", _fx_optimize_for_inference),

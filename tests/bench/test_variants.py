@@ -37,7 +37,7 @@ def test_keys_are_unique_and_every_role_is_known() -> None:
 
 
 # torch.compile takes seconds per model even this small, and graphopt's export checks the file in onnxruntime
-SLOW = {"compile", "compile-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse", "graphopt-low-cl-graph"}
+SLOW = {"compile", "compile-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse", "graphopt-low-cl-graph", "graphopt-tune"}
 
 
 @pytest.mark.parametrize("key", [pytest.param(key, marks=pytest.mark.slow) if key in SLOW else key for key in BY_KEY])
@@ -70,7 +70,7 @@ def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> Non
 
 def test_select_keeps_the_baseline_and_matches_shell_patterns() -> None:
     available = variants()
-    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph"])] == ["eager", "graphopt-cl", "graphopt-low-cl"]
+    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph", "*tune"])] == ["eager", "graphopt-cl", "graphopt-low-cl"]
     assert [v.key for v in select(available, None, ["*"])] == ["eager"]
     assert select(available, None) == available
     with pytest.raises(ValueError, match=r"no variant matches 'tensorrt'; the variants are: eager, eager-cl"):

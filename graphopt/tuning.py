@@ -1,0 +1,205 @@
+"""``optimize(..., tune=True)``: build candidate configurations, time them, return the fastest accurate one.
+
+Every rule of thumb has exceptions (channels_last loses on grouped convs and transformers,
+torch.compile on CPU can lose to eager bf16, ...), so graphopt measures on the example
+inputs, on the target device:
+
+1. Candidates: the captured graph with no passes (what eager runs), the exact fp32
+   passes in each memory format, each low precision the accuracy budget and the device
+   allow, and, when the budget is large enough, pointwise fusion and the whole graph
+   handed to torch.compile. Options the caller set explicitly are not tuned.
+2. Each candidate is built with `graphopt.optimize` (verified against the original: its
+   error is measured, not assumed); candidates over the accuracy budget are rejected.
+3. The accurate candidates are timed together, interleaved (A B C A B C ...) after a
+   warm-up, median of rounds (`graphopt.timing.median_latencies`).
+4. The fastest wins; ``report.tune`` lists every candidate, its time and error, and why
+   the winner won. The captured graph with no passes is always a candidate, so the
+   result is never slower than eager beyond measurement noise.
+
+``tune_budget_s`` bounds the work: candidates are built cheapest first and the expensive
+ones (compilation) only when the budget allows them; what was left out is listed with the
+reason. Results are cached per (model structure, input shapes and dtypes, device,
+options) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
+``~/.cache/graphopt``), so a second call builds the winner without measuring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graphopt.report import TuneCandidate, TuneReport
+from graphopt.timing import median_latencies
+
+# A low precision is a candidate only when the accuracy budget admits its documented error bound.
+LOW_PRECISION_BOUNDS = {"bf16": 3e-2, "fp16": 1e-2}
+DEFAULT_BUDGET_S = 60.0
+COMPILE_BUDGET_S = 120.0  # below this budget, candidates that compile (fusion, torch.compile) are left out
+
+# The timer is a module attribute so that tests can replace it with a deterministic one.
+measure_latencies: Callable[[Mapping[str, Callable[[], Any]]], dict[str, float]] = median_latencies
+
+_memory_cache: dict[str, dict[str, Any]] = {}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)  # graphopt.optimize options
+    compiles: bool = False
+
+
+def candidates(model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_precisions: list[str], budget_s: float) -> tuple[list[Candidate], list[TuneCandidate]]:
+    """The candidates to build, cheapest first, and the ones left out with the reason."""
+    has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
+    layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
+    if "memory_format" in fixed:
+        layouts = [fixed["memory_format"]]
+    precisions = ["fp32"]
+    left_out = []
+    for low in low_precisions:
+        if accuracy >= LOW_PRECISION_BOUNDS[low]:
+            precisions.append(low)
+        else:
+            left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=f"{low} errors reach {LOW_PRECISION_BOUNDS[low]:.0e} of the output scale, over accuracy={accuracy:.0e}"))
+    if "precision" in fixed:
+        precisions = [fixed["precision"]]
+    built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"})] if "passes" not in fixed else []
+    for precision in precisions:
+        for layout in layouts:
+            name = f"{precision} {'channels_last' if layout == 'channels_last' else layout}"
+            built.append(Candidate(name, {"precision": precision, "memory_format": layout}))
+    fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
+    best_precision = precisions[-1]
+    for fuse in fuse_choices:
+        if fuse is None:
+            continue
+        for layout in layouts[-1:]:
+            candidate = Candidate(f"{best_precision} {layout} + fuse={fuse}", {"precision": best_precision, "memory_format": layout, "fuse": fuse}, compiles=True)
+            if budget_s < COMPILE_BUDGET_S and "fuse" not in fixed:
+                left_out.append(TuneCandidate(candidate.name, candidate.options, status="not built", reason=f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"))
+            else:
+                built.append(candidate)
+    return built, left_out
+
+
+def cache_key(model: nn.Module, args: tuple[Any, ...], settings: Mapping[str, Any]) -> str:
+    """What the tuned choice depends on: the model's structure and weights' shapes, the inputs, the device, the options."""
+    structure = [(name, type(module).__qualname__) for name, module in model.named_modules()]
+    tensors = [(name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)]
+    inputs = [(tuple(a.shape), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a) for a in args]
+    text = json.dumps([type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("GRAPHOPT_CACHE_DIR", Path.home() / ".cache" / "graphopt")) / "tune.json"
+
+
+def cached(key: str) -> dict[str, Any] | None:
+    if key in _memory_cache:
+        return _memory_cache[key]
+    try:
+        entry = json.loads(_cache_file().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    if entry is not None:
+        _memory_cache[key] = entry
+    return entry
+
+
+def remember(key: str, entry: dict[str, Any]) -> None:
+    _memory_cache[key] = entry
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stored = json.loads(path.read_text()) if path.exists() else {}
+        stored[key] = entry
+        path.write_text(json.dumps(stored, indent=1))
+    except (OSError, ValueError):
+        pass  # an unwritable cache only costs a second measurement
+
+
+def _rounds(per_call_s: float, remaining_s: float) -> int:
+    """Timing rounds that fit the remaining budget: 3 at least (a median needs them), 20 at most."""
+    return int(max(3, min(20, remaining_s / max(per_call_s, 1e-6))))
+
+
+def tune(
+    build: Callable[..., Any],
+    model: nn.Module,
+    args: tuple[Any, ...],
+    *,
+    fixed: Mapping[str, Any],
+    accuracy: float,
+    budget_s: float,
+    low_precisions: list[str],
+    settings: Mapping[str, Any],
+) -> Any:
+    """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
+    from tqdm.auto import tqdm
+
+    key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions})
+    hit = cached(key)
+    if hit is not None:
+        module = build(**hit["winner_options"])
+        rows = [TuneCandidate(**row) for row in hit["candidates"]]
+        module.graphopt_report.tune = TuneReport(hit["winner"], hit["why"], rows, accuracy, cache="hit", seconds=0.0)
+        return module
+    started = time.perf_counter()
+    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s)
+    modules: dict[str, Any] = {}
+    per_call = 0.0
+    for candidate in tqdm(todo, desc="graphopt tune: building", unit="candidate", disable=None, leave=False):
+        row = TuneCandidate(candidate.name, candidate.options)
+        rows.append(row)
+        if modules and time.perf_counter() - started > budget_s / 2:  # keep half the budget for timing
+            row.status, row.reason = "not built", f"tune_budget_s={budget_s:.0f} spent on the candidates before it"
+            continue
+        building = time.perf_counter()
+        try:
+            module = build(**candidate.options)
+            first = time.perf_counter()
+            module(*args)
+            per_call += time.perf_counter() - first
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
+            row.status, row.reason = "failed", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            continue
+        row.build_seconds = time.perf_counter() - building
+        row.max_error = module.graphopt_report.max_error or 0.0
+        if row.max_error > accuracy:
+            row.status, row.reason = "over budget", f"error {row.max_error:.1e} > accuracy {accuracy:.0e}"
+            continue
+        modules[candidate.name] = module
+    remaining = max(budget_s - (time.perf_counter() - started), 0.0)
+    runs = {name: (lambda module=module: module(*args)) for name, module in modules.items()}
+    latencies = measure_latencies(runs, rounds=_rounds(per_call, remaining), warmup=1)
+    for row in rows:
+        if row.name in latencies:
+            row.status, row.seconds = "measured", latencies[row.name]
+    winner = min(latencies, key=latencies.__getitem__)
+    why = _why(winner, latencies, rows, accuracy)
+    report = TuneReport(winner, why, rows, accuracy, cache="miss", seconds=time.perf_counter() - started)
+    chosen = modules[winner]
+    chosen.graphopt_report.tune = report
+    remember(key, {"winner": winner, "winner_options": next(c.options for c in todo if c.name == winner), "why": why, "candidates": [asdict(r) for r in rows]})
+    return chosen
+
+
+def _why(winner: str, latencies: Mapping[str, float], rows: list[TuneCandidate], accuracy: float) -> str:
+    ranked = sorted(latencies, key=latencies.__getitem__)
+    baseline = latencies.get("captured graph, no passes", latencies[winner])
+    error = next(row.max_error for row in rows if row.name == winner)
+    text = f"fastest of {len(ranked)} accurate candidates: {latencies[winner] * 1e3:.2f} ms, {baseline / latencies[winner]:.2f}x the graph with no passes"
+    if len(ranked) > 1:
+        text += f"; next {ranked[1]} at {latencies[ranked[1]] * 1e3:.2f} ms"
+    return text + f"; error {error:.1e} within accuracy {accuracy:.0e}"

@@ -1,0 +1,142 @@
+"""optimize(tune=True): the fastest candidate within the accuracy budget wins, over-budget ones never do, the cache skips measuring.
+
+Latencies come from a deterministic fake timer (graphopt.tuning.measure_latencies): no test times anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt import tuning
+from graphopt.errors import InvalidOptionError
+from graphopt.models import REFERENCE_MODELS
+
+
+class FakeTimer:
+    """Latencies by candidate name; every candidate not named takes 10 ms. Records each measurement."""
+
+    def __init__(self, latencies: Mapping[str, float]) -> None:
+        self.latencies = latencies
+        self.measured: list[list[str]] = []
+
+    def __call__(self, runs: Mapping[str, Callable[[], Any]], **settings: Any) -> dict[str, float]:
+        self.measured.append(list(runs))
+        for run in runs.values():
+            run()  # the candidates really run: a broken one would fail here
+        return {name: self.latencies.get(name, 10e-3) for name in runs}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "_memory_cache", {})
+
+
+def use_timer(monkeypatch: pytest.MonkeyPatch, latencies: Mapping[str, float]) -> FakeTimer:
+    timer = FakeTimer(latencies)
+    monkeypatch.setattr(tuning, "measure_latencies", timer)
+    return timer
+
+
+def resnet() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    reference = REFERENCE_MODELS["resnet"]
+    return reference.build().eval(), reference.example_inputs(2)
+
+
+def names(report: graphopt.Report, status: str) -> set[str]:
+    return {c.name for c in report.tune.candidates if c.status == status}
+
+
+def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {"fp32 preserve": 4e-3, "fp32 channels_last": 6e-3, "captured graph, no passes": 9e-3})
+    model, inputs = resnet()
+    tuned = graphopt.optimize(model, inputs, tune=True)
+    report = tuned.graphopt_report
+    assert report.tune.winner == "fp32 preserve"
+    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "fp32 channels_last"]]
+    assert "bf16" in names(report, "not built") and "over accuracy=1e-04" in next(c.reason for c in report.tune.candidates if c.name == "bf16")
+    assert "to_channels_last" not in [p.name for p in report.passes]  # the winner's own configuration
+    assert "2.25x the graph with no passes" in report.tune.why
+    torch.testing.assert_close(tuned(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+    assert "tune: fp32 preserve (tuned in" in str(report)
+
+
+def test_a_looser_accuracy_admits_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {"bf16 channels_last": 1e-3})
+    model, inputs = resnet()
+    report = graphopt.optimize(model, inputs, tune=True, accuracy=3e-2).graphopt_report
+    assert report.tune.winner == "bf16 channels_last"
+    assert {"bf16 preserve", "bf16 channels_last"} <= names(report, "measured")
+    assert "use_low_precision" in [p.name for p in report.passes]
+    assert report.max_error <= 3e-2
+
+
+def test_an_over_budget_candidate_never_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(tuning.LOW_PRECISION_BOUNDS, "bf16", 1e-9)  # admit bf16 to be built, so its measured error decides
+    timer = use_timer(monkeypatch, {"bf16 channels_last": 1e-4, "bf16 preserve": 1e-4})
+    model, inputs = resnet()
+    report = graphopt.optimize(model, inputs, tune=True, accuracy=1e-4).graphopt_report
+    assert names(report, "over budget") == {"bf16 preserve", "bf16 channels_last"}
+    assert all("bf16" not in name for name in timer.measured[0])
+    assert not report.tune.winner.startswith("bf16")
+
+
+def test_explicit_options_are_not_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {})
+    model, inputs = resnet()
+    graphopt.optimize(model, inputs, tune=True, memory_format="preserve", accuracy=3e-2)
+    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "bf16 preserve"]]
+
+
+def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {"fp32 channels_last": 1e-3})
+    model, inputs = resnet()
+    first = graphopt.optimize(model, inputs, tune=True)
+    monkeypatch.setattr(tuning, "_memory_cache", {})  # a new process: only the file is left
+    second = graphopt.optimize(model, inputs, tune=True)
+    assert len(timer.measured) == 1
+    assert (first.graphopt_report.tune.cache, second.graphopt_report.tune.cache) == ("miss", "hit")
+    assert second.graphopt_report.tune.winner == "fp32 channels_last"
+    assert "to_channels_last" in [p.name for p in second.graphopt_report.passes]
+    assert "from the cache, not measured again" in str(second.graphopt_report)
+    other_batch = REFERENCE_MODELS["resnet"].example_inputs(3)
+    graphopt.optimize(model, other_batch, tune=True)  # other input shapes: measured again
+    assert len(timer.measured) == 2
+
+
+def test_compiling_candidates_wait_for_a_larger_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {})
+    model, inputs = resnet()
+    report = graphopt.optimize(model, inputs, tune=True).graphopt_report
+    left_out = {c.name: c.reason for c in report.tune.candidates if "fuse" in c.name}
+    assert left_out and all("tune_budget_s >= 120" in reason for reason in left_out.values())
+
+
+def test_a_failing_candidate_is_reported_and_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {})
+    model, inputs = resnet()
+    original = graphopt.api.optimize
+
+    def flaky(model: nn.Module, example_inputs: Any, **options: Any) -> graphopt.OptimizedModule:
+        if options.get("memory_format") == "channels_last":
+            raise RuntimeError("layout broke")
+        return original(model, example_inputs, **options)
+
+    monkeypatch.setattr(graphopt.api, "optimize", flaky)
+    report = original(model, inputs, tune=True).graphopt_report
+    assert {c.name: c.reason for c in report.tune.candidates if c.status == "failed"} == {"fp32 channels_last": "RuntimeError: layout broke"}
+    assert report.tune.winner in names(report, "measured")
+
+
+@pytest.mark.parametrize("options, message", [({"accuracy": 0}, "accuracy=0"), ({"tune_budget_s": -1}, "tune_budget_s=-1")])
+def test_bad_tuning_options(options: dict[str, Any], message: str) -> None:
+    model, inputs = resnet()
+    with pytest.raises(InvalidOptionError, match=message):
+        graphopt.optimize(model, inputs, tune=True, **options)
