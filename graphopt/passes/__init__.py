@@ -16,6 +16,7 @@ from graphopt.passes.remove_dropout import remove_dropout
 from graphopt.passes.to_channels_last import to_channels_last
 from graphopt.passes.use_attention_kernel import use_attention_kernel
 from graphopt.passes.use_low_precision import use_low_precision
+from graphopt.passes.use_onednn_kernels import use_onednn_kernels
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ REGISTRY: dict[str, PassInfo] = {
             ("inference", "training"),
             "run conv/linear/matmul/attention in bf16 or fp16 and sensitive ops in fp32 (optimize(precision=...))",
             exact=False,
+        ),
+        PassInfo(
+            "use_onednn_kernels",
+            use_onednn_kernels,
+            ("inference",),
+            "run conv/linear (+ activation, + residual add) as oneDNN fused CPU kernels with weights prepacked once",
         ),
     )
 }
