@@ -55,7 +55,6 @@ from graphopt.ops import (
     WeightedOpView,
     activation_view,
     arithmetic_operands,
-    get_attr,
     interpreter_inputs,
     set_attr,
     weighted_op_view,
@@ -74,6 +73,8 @@ class PostOp(NamedTuple):
     scalars: tuple[float, ...] = ()
     algorithm: str = ""
 
+
+NO_POST_OP = PostOp()
 
 def _post_op(gm: fx.GraphModule, node: fx.Node) -> PostOp | None:
     """The oneDNN post-op computing activation ``node``, else None."""
@@ -144,7 +145,7 @@ class OneDNNConv(_Prepacked):
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, padding: list[int], stride: list[int], dilation: list[int],
-        groups: int, input_size: list[int], post_op: PostOp = PostOp(), binary: bool = False,
+        groups: int, input_size: list[int], post_op: PostOp = NO_POST_OP, binary: bool = False,
     ) -> None:
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.input_size = input_size  # oneDNN chooses the packed layout for this input shape; other shapes work too
@@ -170,7 +171,7 @@ class OneDNNConv(_Prepacked):
 class OneDNNLinear(_Prepacked):
     """linear (+ activation, or + add) by ``torch.ops.mkldnn._linear_pointwise`` on a prepacked weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, post_op: PostOp = PostOp(), binary: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, post_op: PostOp = NO_POST_OP, binary: bool = False) -> None:
         self.rows = rows  # input rows (product of leading dims) the weight is packed for
         super().__init__(weight, bias, post_op, binary)
 
@@ -264,7 +265,7 @@ def _only_reader(node: fx.Node, claimed: set[fx.Node]) -> fx.Node | None:
 
 def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> _Fusion:
     """The longest fusion the graph allows: op [-> add] [-> activation] (linear: an add or an activation)."""
-    nodes, other_index, post_op = [view.node], None, PostOp()
+    nodes, other_index, post_op = [view.node], None, NO_POST_OP
     reader = _only_reader(view.node, claimed)
     operands = arithmetic_operands(gm, reader, "add") if reader is not None else None
     if operands is not None and all(isinstance(arg, fx.Node) for arg in operands) and operands[0] is not operands[1]:
@@ -285,18 +286,20 @@ def _same_layout(expected: torch.Tensor, actual: torch.Tensor) -> bool:
     return all(e == a for e, a, size in zip(expected.stride(), actual.stride(), expected.shape) if size > 1)
 
 
-def _build(gm: fx.GraphModule, fusion: _Fusion, length: int, x: torch.Tensor) -> _Prepacked:
+def _build(fusion: _Fusion, length: int, x: torch.Tensor) -> _Prepacked:
+    """The module running the first ``length`` nodes of ``fusion``, its weight packed for input ``x``."""
     view = fusion.view
     binary = length >= 2 and fusion.other is not None
-    post_op = fusion.post_op if length == len(fusion.nodes) else PostOp()
-    weight = get_attr(gm, str(view.weight_target))
+    post_op = fusion.post_op if length == len(fusion.nodes) else NO_POST_OP
+    weight = view.weight
+    assert weight is not None
     if view.kind == "linear":
         return OneDNNLinear(weight, view.bias, math.prod(x.shape[:-1]), post_op, binary)
     padding, stride, dilation = _conv_geometry(view)
     return OneDNNConv(weight, view.bias, padding, stride, dilation, view.groups, list(x.shape), post_op, binary)
 
 
-def _settle(gm: fx.GraphModule, fusion: _Fusion) -> None:
+def _settle(fusion: _Fusion) -> None:
     """Choose the longest fusion that reproduces the graph's values on the example inputs (or none)."""
     x = fusion.values[fusion.view.input]
     if not isinstance(x, torch.Tensor) or x.dtype != fusion.view.weight.dtype:  # type: ignore[union-attr]
@@ -316,7 +319,7 @@ def _settle(gm: fx.GraphModule, fusion: _Fusion) -> None:
             fusion.reason = fusion.reason or reason
             continue
         try:
-            module = _build(gm, fusion, length, x)
+            module = _build(fusion, length, x)
             actual = module(x) if other is None else module(x, other)
         except RuntimeError as error:
             reason = f"oneDNN refused it ({str(error).splitlines()[0]})"
@@ -354,7 +357,7 @@ class _Trial(fx.Interpreter):
             # a later in-place activation may overwrite this value: keep a copy
             fusion.values[n] = result.clone() if isinstance(result, torch.Tensor) and n is not fusion.nodes[-1] else result
             if n is fusion.nodes[-1]:
-                _settle(self.module, fusion)  # type: ignore[arg-type]
+                _settle(fusion)
                 fusion.values.clear()
         return result
 

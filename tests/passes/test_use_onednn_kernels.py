@@ -299,7 +299,7 @@ class Unsupported(nn.Module):
 
 
 def test_guard_unsupported_convs() -> None:
-    gm, report, expected = rewrite(Unsupported(), (channels_last((2, 4, 6, 6)),))
+    _, report, _ = rewrite(Unsupported(), (channels_last((2, 4, 6, 6)),))
     reasons = sorted(skip.reason for skip in report.skips)
     assert report.rewrites == []
     assert len(reasons) == 6
@@ -331,6 +331,6 @@ def test_guard_activation_with_another_reader_is_not_fused() -> None:
             return torch.relu(y) + y
 
     x = channels_last((2, 3, 6, 6))
-    gm, report, expected = rewrite(TwoReaders(), (x,))
+    gm, _, expected = rewrite(TwoReaders(), (x,))
     assert [(m.post_op.attr, m.binary) for m in prepacked(gm)] == [("none", False)]
     torch.testing.assert_close(gm(x), expected, **FP32)
