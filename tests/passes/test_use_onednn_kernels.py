@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt.errors import ExportError
+from graphopt.errors import ExportError, InvalidModelError
 from graphopt.ops import weighted_op_view
 from graphopt.passes.use_onednn_kernels import OneDNNConv, OneDNNLinear, use_onednn_kernels
 from tests.conftest import FRONTENDS, captured, context, relative_error
@@ -223,11 +223,13 @@ def test_copies_pickles_and_loads_state() -> None:
         gm.load_state_dict({k: v for k, v in other.state_dict().items() if k != "2.weight"})
 
 
-def test_optimized_module_copies_and_refuses_onnx(tmp_path) -> None:
+def test_optimized_module_copies_and_refuses_recapture_and_onnx(tmp_path) -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
     x = torch.randn(2, 3, 6, 6)
     fast = graphopt.optimize(model, (x,), passes=["to_channels_last", "use_onednn_kernels"], memory_format="channels_last")
     torch.testing.assert_close(copy.deepcopy(fast)(x), model(x), **FP32)
+    with pytest.raises(InvalidModelError, match="optimize the original model"):
+        graphopt.optimize(fast, (x,))
     with pytest.raises(ExportError, match=r"disable=\['use_onednn_kernels'\]"):
         graphopt.export_onnx(fast, (x,), tmp_path / "m.onnx", optimize=False)
     with pytest.raises(ExportError, match="passes= asks for use_onednn_kernels"):
