@@ -27,6 +27,7 @@ from graphopt.errors import CheckpointError, InvalidModelError, InvalidOptionErr
 from graphopt.ops import PRECISION_FAMILY_NAMES, get_attr
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
+from graphopt.passes.use_onednn_kernels import prepacked_modules
 from graphopt.pipeline import resolve_passes, run_passes
 from graphopt.report import Report
 from graphopt.validate import check_inputs, check_model, reference_run
@@ -285,6 +286,11 @@ def optimize(
     """
     check_model(model)
     model = _unwrap(model, mode)
+    if prepacked_modules(model):
+        raise InvalidModelError(
+            f"{', '.join(prepacked_modules(model)[:3])} already run oneDNN kernels on prepacked weights (use_onednn_kernels), "
+            "which cannot be captured again: optimize the original model with the options you want instead"
+        )
     resolved_mode = _resolve_mode(mode, model)
     low_dtype = check_precision(precision, model)
     low_ops, kept_ops = _precision_policy(low_precision_ops, fp32_ops)

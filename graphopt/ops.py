@@ -572,6 +572,70 @@ def dropout_view(gm: fx.GraphModule, node: fx.Node) -> DropoutView | None:
     return DropoutView(node, form, node.args[0], active, getattr(node.target, "__name__", str(node.target)))
 
 
+# --------------------------------------------------------------------------- activations
+
+# kind -> its parameters with their defaults (ReLU6 is hardtanh(0, 6))
+_ACTIVATION_PARAMETERS: dict[str, dict[str, Any]] = {
+    "relu": {}, "silu": {}, "hardswish": {}, "sigmoid": {}, "tanh": {}, "hardsigmoid": {},
+    "hardtanh": {"min_val": -1.0, "max_val": 1.0}, "gelu": {"approximate": "none"}, "leaky_relu": {"negative_slope": 0.01},
+}
+_ACTIVATION_MODULES: dict[type[nn.Module], str] = {
+    nn.ReLU: "relu", nn.ReLU6: "hardtanh", nn.Hardtanh: "hardtanh", nn.SiLU: "silu", nn.GELU: "gelu",
+    nn.Hardswish: "hardswish", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Hardsigmoid: "hardsigmoid", nn.LeakyReLU: "leaky_relu",
+}
+# target -> (kind, argument names after the input); in-place flags are accepted: the input is an op's fresh output
+_ACTIVATION_FUNCTIONS: dict[Any, tuple[str, tuple[str, ...]]] = {
+    F.relu: ("relu", ("inplace",)), torch.relu: ("relu", ()), aten.relu.default: ("relu", ()), aten.relu_.default: ("relu", ()),
+    aten.hardtanh_.default: ("hardtanh", ("min_val", "max_val")), aten.silu_.default: ("silu", ()),
+    aten.hardswish_.default: ("hardswish", ()), aten.hardsigmoid_.default: ("hardsigmoid", ()),
+    aten.leaky_relu_.default: ("leaky_relu", ("negative_slope",)),
+    F.relu6: ("relu6", ("inplace",)), aten.relu6.default: ("relu6", ()), F.hardtanh: ("hardtanh", ("min_val", "max_val", "inplace")),
+    aten.hardtanh.default: ("hardtanh", ("min_val", "max_val")),
+    F.silu: ("silu", ("inplace",)), aten.silu.default: ("silu", ()),
+    F.gelu: ("gelu", ("approximate",)), aten.gelu.default: ("gelu", ("approximate",)),
+    F.hardswish: ("hardswish", ("inplace",)), aten.hardswish.default: ("hardswish", ()),
+    torch.sigmoid: ("sigmoid", ()), F.sigmoid: ("sigmoid", ()), aten.sigmoid.default: ("sigmoid", ()),
+    torch.tanh: ("tanh", ()), F.tanh: ("tanh", ()), aten.tanh.default: ("tanh", ()),
+    F.hardsigmoid: ("hardsigmoid", ("inplace",)), aten.hardsigmoid.default: ("hardsigmoid", ()),
+    F.leaky_relu: ("leaky_relu", ("negative_slope", "inplace")), aten.leaky_relu.default: ("leaky_relu", ("negative_slope",)),
+}
+_ACTIVATION_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh"}
+
+
+@dataclass
+class ActivationView:
+    """A pointwise activation (relu, relu6/hardtanh, silu, gelu, hardswish, sigmoid, tanh, hardsigmoid, leaky_relu)."""
+
+    node: fx.Node
+    input: Any
+    kind: str
+    parameters: dict[str, Any]  # e.g. hardtanh's min_val/max_val, gelu's approximate
+
+
+def activation_view(gm: fx.GraphModule, node: fx.Node) -> ActivationView | None:
+    """View of an activation node in module, function, method or ATen form, else ``None``."""
+    if node.op == "call_module":
+        module = called_module(gm, node)
+        kind = _ACTIVATION_MODULES.get(type(module))  # exact types: a subclass may override forward()
+        if kind is None or len(node.args) != 1 or node.kwargs:
+            return None
+        parameters = {name: getattr(module, name, default) for name, default in _ACTIVATION_PARAMETERS[kind].items()}
+        if isinstance(module, nn.ReLU6):
+            parameters = {"min_val": 0.0, "max_val": 6.0}
+        return ActivationView(node, node.args[0], kind, parameters)
+    if node.op == "call_method" and node.target in _ACTIVATION_METHODS and len(node.args) == 1 and not node.kwargs:
+        return ActivationView(node, node.args[0], _ACTIVATION_METHODS[str(node.target)], {})
+    if node.op != "call_function" or node.target not in _ACTIVATION_FUNCTIONS or not node.args:
+        return None
+    kind, names = _ACTIVATION_FUNCTIONS[node.target]
+    arguments = Arguments(node, ("input", *names), {})
+    if kind == "relu6":
+        return ActivationView(node, node.args[0], "hardtanh", {"min_val": 0.0, "max_val": 6.0})
+    defaults = _ACTIVATION_PARAMETERS[kind]
+    parameters = {name: default if arguments.get(name) is None else arguments.get(name) for name, default in defaults.items()}
+    return ActivationView(node, node.args[0], kind, parameters)
+
+
 # --------------------------------------------------------------------------- parameter sharing
 
 

@@ -41,6 +41,7 @@ from graphopt.verify import compare
 from graphopt.api import OptimizedModule, optimize as optimize_model
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError, VerificationError
+from graphopt.passes.use_onednn_kernels import prepacked_modules
 from graphopt.report import Report
 from graphopt.validate import check_inputs, check_model, reference_run
 
@@ -161,12 +162,20 @@ def export_onnx(
         raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
     if isinstance(model, OptimizedModule) and model.graphopt_report.mode != "inference":
         raise ExportError("this module was optimized for training: ONNX export is for inference, optimize it with mode='inference'")
+    if prepacked_modules(model):
+        raise ExportError(
+            f"this module runs oneDNN kernels with prepacked weights ({', '.join(prepacked_modules(model)[:3])}, ...), which ONNX "
+            "cannot express: export the original model, or one optimized with graphopt.optimize(..., disable=['use_onednn_kernels'])"
+        )
+    if optimize and "use_onednn_kernels" in (optimize_options.get("passes") or ()):
+        raise ExportError("passes= asks for use_onednn_kernels, whose oneDNN kernels ONNX cannot express: leave it out")
 
     # what onnxruntime must reproduce: the model in eval mode (the user's own stays as it is)
     reference = model if isinstance(model, OptimizedModule) else copy.deepcopy(model).eval()
     if optimize:
         optimize_options.setdefault("memory_format", "preserve")
         optimize_options.setdefault("mode", "inference")
+        optimize_options["disable"] = [*optimize_options.get("disable", ()), "use_onednn_kernels"]  # CPU-only kernels, no ONNX form
         optimized = optimize_model(model, args, dynamic_batch=dynamic_batch, verify=verify, **optimize_options)
         exported, report = optimized.graph_module, optimized.graphopt_report
     elif isinstance(model, OptimizedModule):

@@ -22,6 +22,7 @@ from graphopt.passes.report_sync_points import report_sync_points
 from graphopt.passes.to_channels_last import to_channels_last
 from graphopt.passes.use_attention_kernel import use_attention_kernel
 from graphopt.passes.use_low_precision import use_low_precision
+from graphopt.passes.use_onednn_kernels import use_onednn_kernels
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ REGISTRY: dict[str, PassInfo] = {
             extract_pointwise_regions,
             ("inference", "training"),
             "gather connected pointwise ops into regions that optimize(fuse=...) compiles into one kernel each",
+        ),
+        PassInfo(
+            "use_onednn_kernels",
+            use_onednn_kernels,
+            ("inference",),
+            "run conv/linear (+ activation, + residual add) as oneDNN fused CPU kernels with weights prepacked once",
         ),
     )
 }
