@@ -373,8 +373,13 @@ def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed:
     def build(**options: Any) -> OptimizedModule:
         return optimize(model, example_inputs, **{**common, **fixed, **options})
 
-    settings = {**common, "budget_s": budget_s}
-    return tuning.tune(build, model, args, fixed=fixed, accuracy=float(accuracy), budget_s=float(budget_s), low_precisions=low_precisions, settings=settings)
+    resolved_mode = _resolve_mode(common["mode"], model)
+    settings = {**common, "mode": resolved_mode, "budget_s": budget_s}  # a model in train mode is tuned apart from eval
+    devices = {t.device.type for t in [*model.parameters(), *model.buffers()]} or {"cpu"}
+    onednn = resolved_mode == "inference" and devices == {"cpu"} and torch.backends.mkldnn.is_available()
+    return tuning.tune(
+        build, model, args, fixed=fixed, accuracy=float(accuracy), budget_s=float(budget_s), low_precisions=low_precisions, settings=settings, onednn=onednn
+    )
 
 
 def _supported(precision: str, model: nn.Module) -> bool:

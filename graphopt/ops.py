@@ -1108,7 +1108,7 @@ def _activation(function: Any, **attributes: str) -> Any:
 
 
 # Activation modules and the functional call each makes. Looked up by exact type: a subclass may override forward.
-_ACTIVATION_MODULES: dict[type, Any] = {
+_ACTIVATION_CALLS: dict[type, Any] = {
     nn.ReLU: _activation(F.relu),
     nn.ReLU6: _activation(F.relu6),
     nn.GELU: _activation(F.gelu, approximate="approximate"),
@@ -1143,7 +1143,7 @@ class PointwiseView:
         """
         node = self.node
         if node.op == "call_module":
-            function, kwargs = _ACTIVATION_MODULES[type(gm.get_submodule(str(node.target)))](gm.get_submodule(str(node.target)))
+            function, kwargs = _ACTIVATION_CALLS[type(gm.get_submodule(str(node.target)))](gm.get_submodule(str(node.target)))
             node.op, node.target, node.kwargs = "call_function", function, kwargs
         elif node.op == "call_function" and "inplace" in node.kwargs:
             node.kwargs = {**node.kwargs, "inplace": False}
@@ -1171,7 +1171,7 @@ def pointwise_view(gm: fx.GraphModule, node: fx.Node) -> PointwiseView | None:
     """
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        if type(module) not in _ACTIVATION_MODULES:
+        if type(module) not in _ACTIVATION_CALLS:
             return None
         return PointwiseView(node, "module", bool(getattr(module, "inplace", False)))
     if node.op == "call_method":

@@ -6,8 +6,9 @@ inputs, on the target device:
 
 1. Candidates: the captured graph with no passes (what eager runs), the exact fp32
    passes in each memory format, each low precision the accuracy budget and the device
-   allow, and, when the budget is large enough, pointwise fusion and the whole graph
-   handed to torch.compile. Options the caller set explicitly are not tuned.
+   allow, for CPU inference each of those with oneDNN's fused, prepacked kernels
+   (`use_onednn_kernels`), and, when the budget is large enough, pointwise fusion and
+   the whole graph handed to torch.compile. Options the caller set explicitly are not tuned.
 2. Each candidate is built with `graphopt.optimize` (verified against the original: its
    error is measured, not assumed); candidates over the accuracy budget are rejected.
 3. The accurate candidates are timed together, interleaved (A B C A B C ...) after a
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from graphopt.pipeline import PRESETS
 from graphopt.report import TuneCandidate, TuneReport
 from graphopt.timing import median_latencies
 
@@ -58,8 +60,23 @@ class Candidate:
     compiles: bool = False
 
 
-def candidates(model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_precisions: list[str], budget_s: float) -> tuple[list[Candidate], list[TuneCandidate]]:
-    """The candidates to build, cheapest first, and the ones left out with the reason."""
+def onednn_passes(precision: str, layout: str) -> list[str]:
+    """The inference preset for ``precision`` and ``layout``, ending with the oneDNN fused kernels."""
+    names = [name for name in PRESETS["inference"] if layout == "channels_last" or name != "to_channels_last"]
+    if precision != "fp32":
+        position = names.index("to_channels_last") if "to_channels_last" in names else len(names)
+        names.insert(position, "use_low_precision")
+    return [*names, "use_onednn_kernels"]
+
+
+def candidates(
+    model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_precisions: list[str], budget_s: float, onednn: bool = False
+) -> tuple[list[Candidate], list[TuneCandidate]]:
+    """The candidates to build, cheapest first, and the ones left out with the reason.
+
+    ``onednn``: the model runs inference on a CPU with oneDNN, so each precision also gets
+    a candidate with `use_onednn_kernels` (fused, prepacked conv/linear kernels).
+    """
     has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
     layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
     if "memory_format" in fixed:
@@ -78,6 +95,10 @@ def candidates(model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_
         for layout in layouts:
             name = f"{precision} {'channels_last' if layout == 'channels_last' else layout}"
             built.append(Candidate(name, {"precision": precision, "memory_format": layout}))
+    if onednn and "passes" not in fixed and "fuse" not in fixed:
+        layout = layouts[-1]
+        for precision in precisions:
+            built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": onednn_passes(precision, layout)}))
     fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
     best_precision = precisions[-1]
     for fuse in fuse_choices:
@@ -144,6 +165,7 @@ def tune(
     budget_s: float,
     low_precisions: list[str],
     settings: Mapping[str, Any],
+    onednn: bool = False,
 ) -> Any:
     """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
     from tqdm.auto import tqdm
@@ -156,7 +178,7 @@ def tune(
         module.graphopt_report.tune = TuneReport(hit["winner"], hit["why"], rows, accuracy, cache="hit", seconds=0.0)
         return module
     started = time.perf_counter()
-    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s)
+    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn)
     modules: dict[str, Any] = {}
     per_call = 0.0
     for candidate in tqdm(todo, desc="graphopt tune: building", unit="candidate", disable=None, leave=False):

@@ -60,7 +60,7 @@ def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyP
     tuned = graphopt.optimize(model, inputs, tune=True)
     report = tuned.graphopt_report
     assert report.tune.winner == "fp32 preserve"
-    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "fp32 channels_last"]]
+    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "fp32 channels_last", "fp32 channels_last + oneDNN"]]
     assert "bf16" in names(report, "not built") and "over accuracy=1e-04" in next(c.reason for c in report.tune.candidates if c.name == "bf16")
     assert "to_channels_last" not in [p.name for p in report.passes]  # the winner's own configuration
     assert "2.25x the graph with no passes" in report.tune.why
@@ -83,7 +83,7 @@ def test_an_over_budget_candidate_never_wins(monkeypatch: pytest.MonkeyPatch) ->
     timer = use_timer(monkeypatch, {"bf16 channels_last": 1e-4, "bf16 preserve": 1e-4})
     model, inputs = resnet()
     report = graphopt.optimize(model, inputs, tune=True, accuracy=1e-4).graphopt_report
-    assert names(report, "over budget") == {"bf16 preserve", "bf16 channels_last"}
+    assert names(report, "over budget") == {"bf16 preserve", "bf16 channels_last", "bf16 channels_last + oneDNN"}
     assert all("bf16" not in name for name in timer.measured[0])
     assert not report.tune.winner.startswith("bf16")
 
@@ -92,7 +92,7 @@ def test_explicit_options_are_not_tuned(monkeypatch: pytest.MonkeyPatch) -> None
     timer = use_timer(monkeypatch, {})
     model, inputs = resnet()
     graphopt.optimize(model, inputs, tune=True, memory_format="preserve", accuracy=3e-2)
-    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "bf16 preserve"]]
+    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "bf16 preserve", "fp32 preserve + oneDNN", "bf16 preserve + oneDNN"]]
 
 
 def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,6 +109,17 @@ def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     other_batch = REFERENCE_MODELS["resnet"].example_inputs(3)
     graphopt.optimize(model, other_batch, tune=True)  # other input shapes: measured again
     assert len(timer.measured) == 2
+
+
+def test_onednn_kernels_are_a_candidate_on_cpu_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {"fp32 channels_last + oneDNN": 1e-3})
+    model, inputs = resnet()
+    tuned = graphopt.optimize(model, inputs, tune=True)
+    assert tuned.graphopt_report.tune.winner == "fp32 channels_last + oneDNN"
+    assert [p.name for p in tuned.graphopt_report.passes][-1] == "use_onednn_kernels"
+    torch.testing.assert_close(tuned(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+    training = graphopt.optimize(REFERENCE_MODELS["resnet"].build().train(), inputs, tune=True).graphopt_report
+    assert not [c for c in training.tune.candidates if "oneDNN" in c.name]  # prepacked weights have no gradients
 
 
 def test_compiling_candidates_wait_for_a_larger_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +142,8 @@ def test_a_failing_candidate_is_reported_and_skipped(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(graphopt.api, "optimize", flaky)
     report = original(model, inputs, tune=True).graphopt_report
-    assert {c.name: c.reason for c in report.tune.candidates if c.status == "failed"} == {"fp32 channels_last": "RuntimeError: layout broke"}
+    failed = {c.name: c.reason for c in report.tune.candidates if c.status == "failed"}
+    assert failed == dict.fromkeys(["fp32 channels_last", "fp32 channels_last + oneDNN"], "RuntimeError: layout broke")
     assert report.tune.winner in names(report, "measured")
 
 
