@@ -310,7 +310,6 @@ def optimize(
         )  # fmt: skip
         return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
     target = resolve_device(device, model, example_inputs)
-    target = resolve_device(device, model, example_inputs)
     args = check_inputs(model, example_inputs, target if device is not None else None)
     try:
         owned = copy.deepcopy(model)
