@@ -60,7 +60,8 @@ def test_inductor_regions_match_unfused(inductor_model: graphopt.OptimizedModule
 def test_identical_regions_share_one_artifact(inductor_model: graphopt.OptimizedModule) -> None:
     first, second = inductor_model.graphopt_report.fusion.regions
     assert (first.status, second.status, second.shares_with) == ("compiled", "shared", first.name)
-    assert second.compile_seconds == 0.0 < first.compile_seconds
+    compile_times = (first.compile_seconds, second.compile_seconds)
+    assert compile_times[0] > 0 and compile_times[1] == 0  # the shared region compiled nothing of its own
     compiled = {id(region.compiled) for region in fused_regions(inductor_model).values()}
     assert len(compiled) == 1
 
