@@ -1143,7 +1143,8 @@ class PointwiseView:
         """
         node = self.node
         if node.op == "call_module":
-            function, kwargs = _ACTIVATION_CALLS[type(gm.get_submodule(str(node.target)))](gm.get_submodule(str(node.target)))
+            module = gm.get_submodule(str(node.target))
+            function, kwargs = _ACTIVATION_CALLS[type(module)](module)
             node.op, node.target, node.kwargs = "call_function", function, kwargs
         elif node.op == "call_function" and "inplace" in node.kwargs:
             node.kwargs = {**node.kwargs, "inplace": False}

@@ -216,7 +216,7 @@ def test_foreign_cpu_is_system_busy_time_minus_our_own(monkeypatch: pytest.Monke
     monkeypatch.setattr(harness.time, "perf_counter", lambda: next(readings["clock"]))
     with REAL_FOREIGN_CPU() as probe:
         pass
-    assert probe.cores == pytest.approx(1.0)  # (3 busy - 1 ours) seconds over 2 s of wall time
+    assert probe.cores == pytest.approx(1.0)  # (3 busy - 1 ours) on the fake clock's 2 units
 
 
 def test_the_machine_busy_at_start_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,16 +251,17 @@ def test_cuda_timing_synchronises_before_and_waits_for_the_end_event(monkeypatch
     FakeEvent.log = []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: FakeEvent.log.append("device.synchronize"))
-    seconds = harness.cuda_event_seconds(lambda: FakeEvent.log.append("run"))
-    assert seconds == pytest.approx(0.25)
+    measured = harness.cuda_event_seconds(lambda: FakeEvent.log.append("run"))
+    assert measured == pytest.approx(0.25)  # FakeEvent's 250 ms, in s
     assert FakeEvent.log == [
         "new start", "new end", "device.synchronize", "start.record", "run", "end.record", "end.synchronize", "elapsed_time",
     ]  # fmt: skip
 
 
 def test_cuda_runs_use_events_cudnn_benchmark_and_allocator_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert Harness([stub("a", [], role="baseline")], device="cuda").measure is harness.cuda_event_seconds
-    assert Harness([stub("a", [], role="baseline")]).measure is harness.wall_clock_seconds
+    chosen = (Harness([stub("a", [], role="baseline")], device="cuda").measure, Harness([stub("a", [], role="baseline")]).measure)
+    expected = (harness.cuda_event_seconds, harness.wall_clock_seconds)  # which clock each device uses, not a duration
+    assert all(timer is wanted for timer, wanted in zip(chosen, expected, strict=True))
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     quiet_harness([stub("a", [], role="baseline")], device="cuda").run_model(BenchModel("x", lambda: 1 / 0, lambda: ()))
     assert torch.backends.cudnn.benchmark is True
