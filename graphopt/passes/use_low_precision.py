@@ -12,11 +12,11 @@ Policy (override with ``optimize(..., low_precision_ops=..., fp32_ops=...)``):
 |---|---|---|
 | conv, linear, matmul, bmm, baddbmm (addmm), scaled_dot_product_attention | low precision | compute-bound: tensor cores / AMX do the work |
 | softmax, log_softmax | fp32 | exp of large values and normalisation over long rows |
-| layer_norm, group_norm, instance_norm | fp32 | mean/variance statistics |
+| instance_norm | fp32 | mean/variance statistics |
 | exp, log, pow | fp32 | range and accuracy of transcendentals |
 | sum, mean, norm, cumsum | fp32 | long accumulations |
 | loss functions | fp32 | small differences of large values |
-| batch_norm | as its input | its kernels take low-precision input with fp32 statistics |
+| batch_norm, layer_norm, group_norm | as its input | their kernels take low-precision input with fp32 parameters and keep the statistics in fp32 (fp32 where the device has no such kernel) |
 | other ops reading fp32 parameters (unknown modules, layer scales) | fp32 | the parameters stay fp32 |
 | everything else (pointwise, pooling, reshapes) | as its inputs | mixed inputs promote to fp32 |
 | ops with no low-precision kernel on the device (avg_pool3d in bf16 on CPU) | fp32 | found when planning |
@@ -46,14 +46,21 @@ from graphopt.report import PassReport, describe
 
 DEFAULT_LOW_PRECISION_OPS = frozenset({"conv", "linear", "matmul", "bmm", "baddbmm", "scaled_dot_product_attention"})
 DEFAULT_FP32_OPS = frozenset(
-    {"softmax", "log_softmax", "layer_norm", "group_norm", "instance_norm", "exp", "log", "pow", "sum", "mean", "norm", "cumsum", "loss"}
+    {"softmax", "log_softmax", "instance_norm", "exp", "log", "pow", "sum", "mean", "norm", "cumsum", "loss"}
 )
+# normalizations whose kernels read low-precision input with fp32 parameters, statistics in fp32 (batch_norm via its view)
+_MIXED_NORMS = frozenset({"layer_norm", "group_norm"})
 CAST = "graphopt_cast"  # node.meta key marking the casts this pass inserts
 _LOW = (torch.bfloat16, torch.float16)
 
 
 def _floating(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _mixed_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A normalization whose kernel takes low-precision input with fp32 parameters and statistics."""
+    return batch_norm_view(gm, node) is not None or precision_family(gm, node) in _MIXED_NORMS
 
 
 def _reads_fp32_parameters(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -76,8 +83,8 @@ class _PrecisionPlanner(fx.Interpreter):
         wanted = self.wanted.get(n)
         reads_low = any(_floating(self.env.get(a)) and self.env[a].dtype == self.low for a in n.all_input_nodes)
         computes = n.op in ("call_module", "call_function", "call_method") and not n.meta.get(CAST)
-        # BatchNorm kernels take low-precision input with fp32 statistics and parameters
-        if wanted is None and computes and reads_low and batch_norm_view(self.module, n) is None and _reads_fp32_parameters(self.module, n):
+        # normalization kernels take low-precision input with fp32 statistics and parameters
+        if wanted is None and computes and reads_low and not _mixed_norm(self.module, n) and _reads_fp32_parameters(self.module, n):
             wanted = torch.float32
         try:
             result = self._run_with(n, wanted)

@@ -105,7 +105,9 @@ def test_works_with_folding_and_channels_last() -> None:
     optimized = graphopt.optimize(model, inputs, precision="bf16", memory_format="channels_last")
     gm = optimized.graph_module
     assert not [n for n in gm.graph.nodes if batch_norm_view(gm, n) is not None]
-    assert [p.name for p in optimized.graphopt_report.passes] == [*PRESETS["inference"][:-1], "use_low_precision", "to_channels_last"]
+    expected = list(PRESETS["inference"])
+    expected.insert(expected.index("to_channels_last"), "use_low_precision")
+    assert [p.name for p in optimized.graphopt_report.passes] == expected
     record_dtypes(gm, inputs)
     assert_policy_holds(gm, torch.bfloat16)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in optimized.parameters() if p.dim() == 4)
@@ -212,3 +214,43 @@ def test_training_matches_torch_autocast(frontend: str) -> None:
     actual.square().mean().backward()
     names = {n for n, _ in optimized.named_parameters()}
     assert relative_error(flat_grads(reference, names), flat_grads(optimized, names)) < 1e-3
+
+
+class NormsBetweenLinears(nn.Module):
+    """layer_norm and group_norm between low-precision ops: both take the bf16 value with their fp32 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.group, self.b = nn.Linear(8, 8), nn.LayerNorm(8), nn.GroupNorm(2, 8), nn.Linear(8, 4)
+        with torch.no_grad():
+            for norm in (self.norm, self.group):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.group(self.norm(self.a(x))))
+
+
+def test_layer_and_group_norm_read_low_precision_input_with_fp32_parameters() -> None:
+    model, inputs = NormsBetweenLinears().eval(), (torch.randn(6, 8),)
+    optimized = graphopt.optimize(model, inputs, precision="bf16", memory_format="preserve")
+    gm = optimized.graph_module
+    record_dtypes(gm, inputs)
+    norms = [n for n in gm.graph.nodes if precision_family(gm, n) in ("layer_norm", "group_norm")]
+    assert len(norms) == 2 and all(n.meta["test_input_dtypes"] == {torch.bfloat16} for n in norms)
+    assert {p.dtype for name, p in optimized.named_parameters() if name.startswith(("norm.", "group."))} == {torch.float32}
+    casts = [n for n in gm.graph.nodes if n.meta.get(CAST)]
+    assert len(casts) == 2, "the input to bf16 and the output back: none around the norms"
+
+    # the same values as the norms in fp32 on the bf16 value, rounded once to bf16
+    with torch.no_grad():
+        hidden = model.a.to(torch.bfloat16)(inputs[0].bfloat16())
+        normed = model.group(model.norm(hidden.float()).bfloat16().float()).bfloat16()
+        expected = model.b.to(torch.bfloat16)(normed).float()
+        model.float()
+    assert relative_error(expected, optimized(*inputs)) < 1e-2
+
+    kept = graphopt.optimize(model, inputs, precision="bf16", memory_format="preserve", fp32_ops=[*DEFAULT_FP32_OPS, "layer_norm", "group_norm"])
+    record_dtypes(kept.graph_module, inputs)
+    kept_norms = [n for n in kept.graph.nodes if precision_family(kept.graph_module, n) in ("layer_norm", "group_norm")]
+    assert all(n.meta["test_input_dtypes"] == {torch.float32} for n in kept_norms), "fp32_ops= still keeps them in fp32"
