@@ -28,7 +28,7 @@ from graphopt.ops import PRECISION_FAMILY_NAMES, get_attr
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.passes.use_onednn_kernels import prepacked_modules
-from graphopt.pipeline import resolve_passes, run_passes
+from graphopt.pipeline import low_precision_position, resolve_passes, run_passes
 from graphopt.report import Report
 from graphopt.validate import check_inputs, check_model, reference_run
 from graphopt.verify import tolerance_for
@@ -414,8 +414,7 @@ def _select_passes(
     infos = resolve_passes(mode, passes, disabled)
     if passes is None and low_dtype is not None and "use_low_precision" not in disabled:
         # opt-in: lower precision after the exact rewrites, before the layout is chosen
-        position = next((i for i, info in enumerate(infos) if info.name == "to_channels_last"), len(infos))
-        infos.insert(position, REGISTRY["use_low_precision"])
+        infos.insert(low_precision_position([info.name for info in infos]), REGISTRY["use_low_precision"])
     regions = [info for info in infos if info.name == "extract_pointwise_regions"]
     if fuse in ("inductor", "torchscript") and "extract_pointwise_regions" not in disabled:
         regions = regions or [REGISTRY["extract_pointwise_regions"]]

@@ -16,6 +16,11 @@ state exported for the original model:
   the folded conv and an identity BatchNorm (mean ``-b'``, variance ``1 - eps``, scale 1,
   shift 0): the same outputs in eval mode only.
 
+- `FoldedScale` (``fold_channel_scale``): a stored per-channel scale of a conv/linear
+  output folded into its weight and bias. Original -> optimized folds the checkpoint's
+  scale exactly as the pass did; optimized -> original gives the folded weights and a
+  scale of ones: the same function.
+
 ``to_optimized`` applies the changes in the order the passes made them, ``to_original``
 undoes them in reverse order. Both work on plain ``{key: tensor}`` dicts.
 """
@@ -130,7 +135,34 @@ class FoldedBatchNorm:
             state[self.num_batches_tracked] = torch.tensor(0, dtype=torch.long)
 
 
-StateChange = Union[DroppedBias, FoldedBatchNorm]
+@dataclass(frozen=True)
+class FoldedScale:
+    """The scale stored at ``scale`` (``shape``, one value or one per output channel) was folded into ``weight`` and ``bias``."""
+
+    weight: str
+    bias: str | None
+    scale: str
+    shape: tuple[int, ...]
+
+    def keys(self) -> dict[str, str]:
+        keys = {self.scale: f"folded into {self.weight}" + (f" and {self.bias}" if self.bias else ""), self.weight: f"scaled by {self.scale}"}
+        if self.bias:
+            keys[self.bias] = f"scaled by {self.scale}"
+        return keys
+
+    def to_optimized(self, state: State) -> None:
+        weight = _take(state, self.weight)
+        vector = _take(state, self.scale).to(weight.dtype).reshape(-1).expand(weight.shape[0])
+        state[self.weight] = weight * vector.reshape(-1, *[1] * (weight.dim() - 1))
+        if self.bias:
+            state[self.bias] = _take(state, self.bias) * vector
+
+    def to_original(self, state: State) -> None:
+        weight = state[self.weight]
+        state[self.scale] = torch.ones(self.shape, dtype=weight.dtype, device=weight.device)
+
+
+StateChange = Union[DroppedBias, FoldedBatchNorm, FoldedScale]
 
 
 def to_optimized(state_dict: Mapping[str, torch.Tensor], changes: Sequence[StateChange]) -> State:

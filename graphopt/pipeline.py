@@ -26,19 +26,27 @@ from graphopt.timing import compare_latency
 
 PRESETS: dict[Mode, tuple[str, ...]] = {
     # sync points first, on the model as written; dropout before folding so BatchNorms behind
-    # a removed identity are seen by the folding pass; layout last, on the final set of convs
+    # a removed identity are seen by the folding pass; layout on the final set of convs, then the
+    # kernel choices that depend on the dtype and layout each value ends up with
     "inference": (
         "report_sync_points", "remove_dropout", "use_attention_kernel", "create_on_device", "as_tensor",
-        "remove_redundant_transfers", "fold_conv_bn", "to_channels_last",
+        "remove_redundant_transfers", "fold_conv_bn", "fold_channel_scale", "to_channels_last", "use_global_pool_kernel",
     ),
     "training": (
         "report_sync_points", "use_attention_kernel", "create_on_device", "as_tensor", "remove_redundant_transfers",
         "drop_conv_bias", "to_channels_last",
     ),
 }
+# passes that must see the dtypes use_low_precision chooses: it goes in before the first of them
+_AFTER_PRECISION = ("to_channels_last", "use_global_pool_kernel")
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
-__all__ = ["PRESETS", "PassContext", "PassResult", "list_passes", "resolve_passes", "run_passes"]
+__all__ = ["PRESETS", "PassContext", "PassResult", "list_passes", "low_precision_position", "resolve_passes", "run_passes"]
+
+
+def low_precision_position(names: Sequence[str]) -> int:
+    """Where use_low_precision goes in a list of pass names: after the exact rewrites, before layout and kernel choices."""
+    return next((i for i, name in enumerate(names) if name in _AFTER_PRECISION), len(names))
 
 
 def list_passes() -> list[PassInfo]:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.pipeline import PRESETS
+from graphopt.pipeline import PRESETS, low_precision_position
 from graphopt.report import TuneCandidate, TuneReport
 from graphopt.timing import median_latencies
 
@@ -64,8 +64,7 @@ def onednn_passes(precision: str, layout: str) -> list[str]:
     """The inference preset for ``precision`` and ``layout``, ending with the oneDNN fused kernels."""
     names = [name for name in PRESETS["inference"] if layout == "channels_last" or name != "to_channels_last"]
     if precision != "fp32":
-        position = names.index("to_channels_last") if "to_channels_last" in names else len(names)
-        names.insert(position, "use_low_precision")
+        names.insert(low_precision_position(names), "use_low_precision")
     return [*names, "use_onednn_kernels"]
 
 

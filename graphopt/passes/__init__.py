@@ -14,6 +14,7 @@ from graphopt.passes.as_tensor import as_tensor
 from graphopt.passes.create_on_device import create_on_device
 from graphopt.passes.drop_conv_bias import drop_conv_bias
 from graphopt.passes.extract_pointwise_regions import extract_pointwise_regions
+from graphopt.passes.fold_channel_scale import fold_channel_scale
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.passes.pad_channels import pad_channels
 from graphopt.passes.remove_dropout import remove_dropout
@@ -21,6 +22,7 @@ from graphopt.passes.remove_redundant_transfers import remove_redundant_transfer
 from graphopt.passes.report_sync_points import report_sync_points
 from graphopt.passes.to_channels_last import to_channels_last
 from graphopt.passes.use_attention_kernel import use_attention_kernel
+from graphopt.passes.use_global_pool_kernel import use_global_pool_kernel
 from graphopt.passes.use_low_precision import use_low_precision
 from graphopt.passes.use_onednn_kernels import use_onednn_kernels
 
@@ -62,6 +64,12 @@ REGISTRY: dict[str, PassInfo] = {
             "compute hand-written attention and nn.MultiheadAttention self-attention with F.scaled_dot_product_attention",
         ),
         PassInfo("fold_conv_bn", fold_conv_bn, ("inference",), "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear"),
+        PassInfo(
+            "fold_channel_scale",
+            fold_channel_scale,
+            ("inference",),
+            "fold a stored per-channel scale of a conv/linear output (layer scale) into the weights",
+        ),
         PassInfo("drop_conv_bias", drop_conv_bias, ("training", "inference"), "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)"),
         PassInfo(
             "to_channels_last",
@@ -76,6 +84,12 @@ REGISTRY: dict[str, PassInfo] = {
             ("inference", "training"),
             "run conv/linear/matmul/attention in bf16 or fp16 and sensitive ops in fp32 (optimize(precision=...))",
             exact=False,
+        ),
+        PassInfo(
+            "use_global_pool_kernel",
+            use_global_pool_kernel,
+            ("inference",),
+            "global average pooling of bf16/fp16 channels_last CPU tensors by ATen's pooling kernel instead of a float32 copy and mean",
         ),
         PassInfo(
             "pad_channels",
