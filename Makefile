@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test fuzz demo bench bench-gpu clean
+.PHONY: venv test fuzz demo bench bench-reference bench-gpu clean
 
 venv: $(STAMP)
 
@@ -34,10 +34,17 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-# graphopt vs eager, torch.compile, fx/jit and onnxruntime on the reference models, batch 8 (run on a quiet
-# machine); writes bench-results/bench.{json,md,png}. BENCH_ARGS adds options, e.g. BENCH_ARGS="--models anchors".
+# graphopt against the peers of ../shared/ANCHORS.md on the full-size anchor models (ResNet-50, MobileNetV2,
+# EfficientNet-B0, ConvNeXt-Tiny, ViT-B/16), batch 8, on a quiet machine (about 25 minutes on 2 cores): prints, per
+# model, the fastest graphopt variant against each peer; writes bench-results/bench.{json,md,png}.
+# BENCH_ARGS adds options, e.g. BENCH_ARGS="--models resnet50 --rounds 20".
+ANCHOR_VARIANTS := eager,eager-amp-cl,compile,compile-amp-cl,fx-ofi,jit-freeze,ort-plain,graphopt-cl-onednn,graphopt-low-cl,graphopt-low-cl-onednn,graphopt-tune
 bench: $(BENCH_STAMP)
-	$(VENV)/bin/graphopt bench --models reference --batch 8 $(BENCH_ARGS)
+	$(VENV)/bin/graphopt bench --models anchors --batch 8 --rounds 10 --variants '$(ANCHOR_VARIANTS)' $(BENCH_ARGS)
+
+# Every variant on the small reference models, batch 8: bench-results/reference/bench.{json,md,png}.
+bench-reference: $(BENCH_STAMP)
+	$(VENV)/bin/graphopt bench --models reference --batch 8 --output-dir bench-results/reference $(BENCH_ARGS)
 
 # The same on one CUDA GPU, within 8 minutes: no variant starts after 5 minutes, and the JSON is written after each model.
 bench-gpu: $(BENCH_STAMP)

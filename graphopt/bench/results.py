@@ -63,13 +63,21 @@ class ModelResult:
         candidates = self.timed(role)
         return min(candidates, key=lambda v: v.median_ms or 0.0) if candidates else None
 
+    def graphopt_vs(self, peer: VariantResult | None) -> float | None:
+        """``peer``'s time / the fastest graphopt variant's time, median over rounds (>1: graphopt wins)."""
+        ours = self.fastest("graphopt")
+        if peer is None or ours is None or not peer.samples_ms:
+            return None
+        return statistics.median(p / g for p, g in zip(peer.samples_ms, ours.samples_ms, strict=True))
+
     @property
     def graphopt_vs_best_peer(self) -> float | None:
         """Fastest peer's time / fastest graphopt variant's time, median over rounds (>1: graphopt wins)."""
-        peer, ours = self.fastest("peer"), self.fastest("graphopt")
-        if peer is None or ours is None:
-            return None
-        return statistics.median(p / g for p, g in zip(peer.samples_ms, ours.samples_ms, strict=True))
+        return self.graphopt_vs(self.fastest("peer"))
+
+    def graphopt_vs_each_peer(self) -> dict[str, float | None]:
+        """Per peer key: its time / the fastest graphopt variant's time (None: the peer did not run)."""
+        return {v.key: self.graphopt_vs(v) for v in self.variants if v.role == "peer"}
 
     def to_dict(self) -> dict[str, Any]:
         peer, ours = self.fastest("peer"), self.fastest("graphopt")
@@ -82,6 +90,7 @@ class ModelResult:
             "best_peer": peer.key if peer else None,
             "best_graphopt": ours.key if ours else None,
             "graphopt_vs_best_peer": self.graphopt_vs_best_peer,
+            "graphopt_vs_each_peer": self.graphopt_vs_each_peer(),
             "variants": [variant.to_dict() for variant in self.variants],
         }
 
@@ -138,6 +147,7 @@ def to_markdown(result: BenchResult) -> str:
             lines.append(
                 f"| {model.name} | {_best(peer)} | {_best(ours)} | {_number(model.graphopt_vs_best_peer, '.2f', 'x')} |"
             )
+    lines += _each_peer_table(summary)
     for model in result.models:
         shapes = ", ".join("x".join(map(str, shape)) for shape in model.input_shapes)
         lines += ["", f"### {model.name} (input {shapes})", ""]
@@ -158,6 +168,24 @@ def to_markdown(result: BenchResult) -> str:
             )
     lines += ["", f"Peak memory: {result.memory_method}.", ""]
     return "\n".join(lines)
+
+
+def _each_peer_table(models: list[ModelResult]) -> list[str]:
+    """Per model, the fastest graphopt variant against every peer: peer time / graphopt time, per-round medians."""
+    peers = list(dict.fromkeys((v.key, v.label) for model in models for v in model.variants if v.role == "peer"))
+    if not peers or not any(model.fastest("graphopt") for model in models):
+        return []
+    lines = [
+        "", "Fastest graphopt variant vs each peer (peer time / graphopt time, median of per-round ratios; > 1: graphopt is faster):", "",
+        "| model | fastest graphopt | " + " | ".join(label for _, label in peers) + " |",
+        "|---|---|" + "---|" * len(peers),
+    ]
+    for model in models:
+        ratios = model.graphopt_vs_each_peer()
+        ours = model.fastest("graphopt")
+        cells = [_number(ratios.get(key), ".2f", "x") for key, _ in peers]
+        lines.append(f"| {model.name} | {ours.label if ours else '—'} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _best(variant: VariantResult | None) -> str:

@@ -44,11 +44,14 @@ def test_quick_run_writes_json_markdown_and_prints_the_table(tmp_path: Path, cap
     assert model["variants"][0]["round_ratios"] == [1.0, 1.0]
     assert model["best_peer"] == "eager-cl" and model["best_graphopt"] == "graphopt"
     assert model["graphopt_vs_best_peer"] > 0
+    assert model["graphopt_vs_each_peer"] == {"eager-cl": model["graphopt_vs_best_peer"]}
 
     markdown = (tmp_path / "bench.md").read_text()
     assert "Command: `graphopt bench --models transformer" in markdown
     assert "| transformer | eager fp32 + CL (" in markdown  # the summary: best peer, best graphopt, ratio
     assert "### transformer (input 2x3x32x32)" in markdown
+    assert "| model | fastest graphopt | eager fp32 + CL |" in markdown  # graphopt vs each peer
+    assert f"| transformer | graphopt fp32 | {model['graphopt_vs_each_peer']['eager-cl']:.2f}x |" in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| eager fp32 |") or line.startswith("| graphopt fp32 |")]
     assert len(rows) == 2 and all(row.count("|") == 7 and " ms | " in row and " MiB | " in row for row in rows)
     assert "Peak memory: growth of the process's resident memory" in markdown

@@ -98,6 +98,7 @@ def test_rounds_are_interleaved_and_ratios_are_per_round() -> None:
     assert c.ratio == pytest.approx(1.0)
     assert result.fastest("peer") is c
     assert result.graphopt_vs_best_peer == pytest.approx(2.0)  # c / b per round: 8, 0.67, 2 -> median 2
+    assert result.graphopt_vs_each_peer() == {"c": pytest.approx(2.0)}
 
 
 def test_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians() -> None:
