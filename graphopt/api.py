@@ -415,6 +415,10 @@ def _select_passes(
     if passes is None and low_dtype is not None and "use_low_precision" not in disabled:
         # opt-in: lower precision after the exact rewrites, before the layout is chosen
         infos.insert(low_precision_position([info.name for info in infos]), REGISTRY["use_low_precision"])
+    # in-place writes last, whatever the order asked: passes after it would not match a.add_(b) as an add; with
+    # fuse= the compiler plans the buffers (and pointwise regions are made of out-of-place ops)
+    in_place = [info for info in infos if info.name == "compute_in_place" and fuse is None]
+    infos = [info for info in infos if info.name != "compute_in_place"] + in_place
     regions = [info for info in infos if info.name == "extract_pointwise_regions"]
     if fuse in ("inductor", "torchscript") and "extract_pointwise_regions" not in disabled:
         regions = regions or [REGISTRY["extract_pointwise_regions"]]

@@ -31,6 +31,7 @@ PRESETS: dict[Mode, tuple[str, ...]] = {
     "inference": (
         "report_sync_points", "remove_dropout", "use_attention_kernel", "create_on_device", "as_tensor",
         "remove_redundant_transfers", "fold_conv_bn", "fold_channel_scale", "to_channels_last", "use_global_pool_kernel",
+        "compute_in_place",
     ),
     "training": (
         "report_sync_points", "use_attention_kernel", "create_on_device", "as_tensor", "remove_redundant_transfers",
@@ -38,7 +39,7 @@ PRESETS: dict[Mode, tuple[str, ...]] = {
     ),
 }
 # passes that must see the dtypes use_low_precision chooses: it goes in before the first of them
-_AFTER_PRECISION = ("to_channels_last", "use_global_pool_kernel")
+_AFTER_PRECISION = ("to_channels_last", "use_global_pool_kernel", "compute_in_place")
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
 __all__ = ["PRESETS", "PassContext", "PassResult", "list_passes", "low_precision_position", "resolve_passes", "run_passes"]

@@ -65,7 +65,7 @@ def onednn_passes(precision: str, layout: str) -> list[str]:
     names = [name for name in PRESETS["inference"] if layout == "channels_last" or name != "to_channels_last"]
     if precision != "fp32":
         names.insert(low_precision_position(names), "use_low_precision")
-    return [*names, "use_onednn_kernels"]
+    return [*names, "use_onednn_kernels"]  # optimize runs compute_in_place after it
 
 
 def candidates(

@@ -175,7 +175,8 @@ def export_onnx(
     if optimize:
         optimize_options.setdefault("memory_format", "preserve")
         optimize_options.setdefault("mode", "inference")
-        optimize_options["disable"] = [*optimize_options.get("disable", ()), "use_onednn_kernels"]  # CPU-only kernels, no ONNX form
+        # CPU-only kernels have no ONNX form; in-place writes save allocations in PyTorch only
+        optimize_options["disable"] = [*optimize_options.get("disable", ()), "use_onednn_kernels", "compute_in_place"]
         optimized = optimize_model(model, args, dynamic_batch=dynamic_batch, verify=verify, **optimize_options)
         exported, report = optimized.graph_module, optimized.graphopt_report
     elif isinstance(model, OptimizedModule):

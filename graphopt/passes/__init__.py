@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from graphopt.passes.base import MODES, Mode, PassContext, PassFunction, PassResult
 from graphopt.passes.as_tensor import as_tensor
+from graphopt.passes.compute_in_place import compute_in_place
 from graphopt.passes.create_on_device import create_on_device
 from graphopt.passes.drop_conv_bias import drop_conv_bias
 from graphopt.passes.extract_pointwise_regions import extract_pointwise_regions
@@ -90,6 +91,12 @@ REGISTRY: dict[str, PassInfo] = {
             use_global_pool_kernel,
             ("inference",),
             "global average pooling of bf16/fp16 channels_last CPU tensors by ATen's pooling kernel instead of a float32 copy and mean",
+        ),
+        PassInfo(
+            "compute_in_place",
+            compute_in_place,
+            ("inference",),
+            "write add/mul/div into an operand that is not read again instead of allocating a new tensor (run last)",
         ),
         PassInfo(
             "pad_channels",
