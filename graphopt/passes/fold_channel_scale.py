@@ -52,15 +52,17 @@ def _permutation(node: fx.Node) -> list[int] | None:
     return [d % rank for d in dims]
 
 
-def _scaled_op(gm: fx.GraphModule, value: fx.Node) -> tuple[WeightedOpView, list[list[int]]] | None:
-    """The conv/linear whose output reaches ``value`` through permutes only (with those permutations), else None."""
+def _scaled_op(gm: fx.GraphModule, value: fx.Node) -> tuple[WeightedOpView, list[fx.Node], list[list[int]]] | None:
+    """The conv/linear whose output reaches ``value`` through permutes only, the permute nodes and their dims; else None."""
+    permutes: list[fx.Node] = []
     permutations: list[list[int]] = []
     node = value
     while (dims := _permutation(node)) is not None and isinstance(node.args[0], fx.Node):
+        permutes.insert(0, node)
         permutations.insert(0, dims)
         node = node.args[0]
     view = weighted_op_view(gm, node)
-    return (view, permutations) if view is not None else None
+    return (view, permutes, permutations) if view is not None else None
 
 
 def _channel_dim(view: WeightedOpView, permutations: list[list[int]]) -> int | None:
@@ -89,15 +91,12 @@ def _scale_vector(scale: torch.Tensor, channel_dim: int, channels: int) -> torch
     return scale.reshape(-1).expand(channels)
 
 
-def _plan(gm: fx.GraphModule, mul: fx.Node, scale_node: fx.Node, value: fx.Node, usage: ParameterUsage) -> str | tuple[WeightedOpView, torch.Tensor]:
-    """Why ``mul`` cannot be folded, or the op to fold it into with the scale as a vector over its output channels."""
-    found = _scaled_op(gm, value)
-    if found is None:
-        return "the other operand is not a conv/linear output (through permutes only)"
-    view, permutations = found
-    chain = [view.node]
-    while chain[-1] is not value:
-        chain.append(next(iter(chain[-1].users)))
+def _plan(
+    gm: fx.GraphModule, mul: fx.Node, scale_node: fx.Node, found: tuple[WeightedOpView, list[fx.Node], list[list[int]]], usage: ParameterUsage
+) -> str | tuple[WeightedOpView, torch.Tensor]:
+    """Why ``mul`` cannot be folded into the op ``found`` (see `_scaled_op`), or that op with the scale as a vector over its output channels."""
+    view, permutes, permutations = found
+    chain = [view.node, *permutes]
     for node, reader in zip(chain, [*chain[1:], mul]):
         if list(node.users) != [reader]:
             return f"{describe(node)} is also read elsewhere: its unscaled value is needed"
@@ -137,9 +136,10 @@ def fold_channel_scale(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         scale_node = stored[0]
         value = operands[1] if operands[0] is scale_node else operands[0]
-        if _scaled_op(gm, value) is None:
+        found = _scaled_op(gm, value)
+        if found is None:
             continue  # not a scaled conv/linear output
-        plan = _plan(gm, mul, scale_node, value, usage)
+        plan = _plan(gm, mul, scale_node, found, usage)
         if isinstance(plan, str):
             report.skip(mul, plan)
             continue
