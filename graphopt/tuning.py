@@ -17,10 +17,11 @@ inputs, on the target device:
    the winner won. The captured graph with no passes is always a candidate, so the
    result is never slower than eager beyond measurement noise.
 
-``tune_budget_s`` bounds the work: candidates are built cheapest first and the expensive
-ones (compilation) only when the budget allows them; what was left out is listed with the
-reason. Results are cached per (model structure, input shapes and dtypes, device,
-options) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
+``tune_budget_s`` bounds the work: candidates are built likeliest winner first, building
+stops when half the budget is spent, and the expensive ones (compilation) are built only
+when the budget allows them; what was left out is listed with the reason. Results are
+cached per (model structure, input shapes and dtypes, device, options, candidates and
+their pass lists) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
 ``~/.cache/graphopt``), so a second call builds the winner without measuring.
 """
 
@@ -71,8 +72,12 @@ def onednn_passes(precision: str, layout: str) -> list[str]:
 def candidates(
     model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_precisions: list[str], budget_s: float, onednn: bool = False
 ) -> tuple[list[Candidate], list[TuneCandidate]]:
-    """The candidates to build, cheapest first, and the ones left out with the reason.
+    """The candidates to build, and the ones left out with the reason.
 
+    The graph with no passes comes first (the report's reference), then the likeliest
+    winners: the lowest precision ``accuracy`` admits before fp32, channels_last before
+    preserve, oneDNN kernels before the same without them. Building stops when half the
+    budget is spent, so on large models the cut drops the least promising candidates.
     ``onednn``: the model runs inference on a CPU with oneDNN, so each precision also gets
     a candidate with `use_onednn_kernels` (fused, prepacked conv/linear kernels).
     """
@@ -90,14 +95,11 @@ def candidates(
     if "precision" in fixed:
         precisions = [fixed["precision"]]
     built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"})] if "passes" not in fixed else []
-    for precision in precisions:
-        for layout in layouts:
-            name = f"{precision} {'channels_last' if layout == 'channels_last' else layout}"
-            built.append(Candidate(name, {"precision": precision, "memory_format": layout}))
-    if onednn and "passes" not in fixed and "fuse" not in fixed:
-        layout = layouts[-1]
-        for precision in precisions:
-            built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": onednn_passes(precision, layout)}))
+    for precision in reversed(precisions):
+        for layout in reversed(layouts):
+            if onednn and layout == layouts[-1] and "passes" not in fixed and "fuse" not in fixed:
+                built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": onednn_passes(precision, layout)}))
+            built.append(Candidate(f"{precision} {layout}", {"precision": precision, "memory_format": layout}))
     fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
     best_precision = precisions[-1]
     for fuse in fuse_choices:
@@ -169,7 +171,10 @@ def tune(
     """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
     from tqdm.auto import tqdm
 
-    key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions})
+    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn)
+    # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
+    considered = [(candidate.name, candidate.options) for candidate in todo]
+    key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})
     hit = cached(key)
     if hit is not None:
         module = build(**hit["winner_options"])
@@ -177,7 +182,6 @@ def tune(
         module.graphopt_report.tune = TuneReport(hit["winner"], hit["why"], rows, accuracy, cache="hit", seconds=0.0)
         return module
     started = time.perf_counter()
-    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn)
     modules: dict[str, Any] = {}
     per_call = 0.0
     for candidate in tqdm(todo, desc="graphopt tune: building", unit="candidate", disable=None, leave=False):

@@ -60,7 +60,8 @@ def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyP
     tuned = graphopt.optimize(model, inputs, tune=True)
     report = tuned.graphopt_report
     assert report.tune.winner == "fp32 preserve"
-    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "fp32 channels_last", "fp32 channels_last + oneDNN"]]
+    # the reference first, then the likeliest winners (a budget cut drops the last ones)
+    assert timer.measured == [["captured graph, no passes", "fp32 channels_last + oneDNN", "fp32 channels_last", "fp32 preserve"]]
     assert "bf16" in names(report, "not built") and "over accuracy=1e-04" in next(c.reason for c in report.tune.candidates if c.name == "bf16")
     assert "to_channels_last" not in [p.name for p in report.passes]  # the winner's own configuration
     assert "2.25x the graph with no passes" in report.tune.why
@@ -92,7 +93,7 @@ def test_explicit_options_are_not_tuned(monkeypatch: pytest.MonkeyPatch) -> None
     timer = use_timer(monkeypatch, {})
     model, inputs = resnet()
     graphopt.optimize(model, inputs, tune=True, memory_format="preserve", accuracy=3e-2)
-    assert timer.measured == [["captured graph, no passes", "fp32 preserve", "bf16 preserve", "fp32 preserve + oneDNN", "bf16 preserve + oneDNN"]]
+    assert timer.measured == [["captured graph, no passes", "bf16 preserve + oneDNN", "bf16 preserve", "fp32 preserve + oneDNN", "fp32 preserve"]]
 
 
 def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
