@@ -673,6 +673,10 @@ class ParameterUsage:
     def is_shared(self, tensor: torch.Tensor) -> bool:
         return len(self._names.get(id(tensor), [])) > 1
 
+    def reads(self, target: str) -> int:
+        """How many times the graph reads the stored tensor (or calls the module) at ``target``."""
+        return self._reads.get(target, 0)
+
 
 # --------------------------------------------------------------------------- layout
 
@@ -710,6 +714,30 @@ def is_reshape(gm: nn.Module, node: fx.Node) -> bool:
 def is_permute(gm: nn.Module, node: fx.Node) -> bool:
     """permute/transpose/movedim in any form: they change which dimension is which, not the data."""
     return _matches(gm, node, _PERMUTE_METHODS, _PERMUTE_TARGETS)
+
+
+def layout_key(value: Any) -> tuple[Any, ...] | None:
+    """A tensor's shape, dtype and strides (of dims larger than 1, whose strides matter), else None.
+
+    Two tensors with equal keys are laid out alike: one can stand in for the other.
+    """
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(value.shape), value.dtype, tuple(stride for stride, size in zip(value.stride(), value.shape) if size > 1)
+
+
+def permute_dims(node: fx.Node) -> list[int] | None:
+    """The dims of a permute (``x.permute(0, 2, 3, 1)``, ``torch.permute(x, [...])``, ATen), made non-negative, else None."""
+    if node.op == "call_method" and node.target == "permute":
+        dims: Any = node.args[1:]
+        dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+    elif node.op == "call_function" and node.target in (torch.permute, aten.permute.default):
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dims")
+    else:
+        return None
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+        return None
+    return [d % len(dims) for d in dims]
 
 
 def layout_of(value: Any) -> str | None:
@@ -805,10 +833,8 @@ def swapped_last_dims_input(gm: nn.Module, node: fx.Node, rank: int) -> Any:
     if method == "transpose" or node.target in (torch.transpose, aten.transpose.int):
         dims = sorted(d % rank for d in node.args[1:])
         return node.args[0] if dims == [rank - 2, rank - 1] else None
-    if method == "permute" or node.target in (torch.permute, aten.permute.default):
-        order = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        expected = [*range(rank - 2), rank - 1, rank - 2]
-        return node.args[0] if [d % rank for d in order] == expected else None
+    if permute_dims(node) == [*range(rank - 2), rank - 1, rank - 2]:
+        return node.args[0]
     return None
 
 

@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.ops import arithmetic_operands, form_of, get_attr, interpreter_inputs
+from graphopt.ops import arithmetic_operands, form_of, get_attr, interpreter_inputs, layout_key
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -48,13 +48,6 @@ _ATEN_IN_PLACE = {
 
 def _address(value: Any) -> int | None:
     return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) and value.layout == torch.strided else None
-
-
-def _layout(value: Any) -> tuple[Any, ...] | None:
-    """Shape, dtype and strides (of dims larger than 1) of a tensor, else None."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    return tuple(value.shape), value.dtype, tuple(st for st, size in zip(value.stride(), value.shape) if size > 1)
 
 
 class _Aliases(fx.Interpreter):
@@ -81,10 +74,10 @@ class _Aliases(fx.Interpreter):
                         m for m, value in self.env.items() if m is not operand and address in {_address(leaf) for leaf in pytree.tree_leaves(value)}
                     ]
                     self.sharing[(n, operand)] = (["an input or stored tensor"] if address in self.pinned else []) + others
-                    self.layouts[operand] = _layout(self.env.get(operand))
+                    self.layouts[operand] = layout_key(self.env.get(operand))
         result = super().run_node(n)
         if found is not None:
-            self.layouts[n] = _layout(result)
+            self.layouts[n] = layout_key(result)
         return result
 
 

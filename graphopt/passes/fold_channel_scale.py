@@ -29,35 +29,16 @@ import torch
 import torch.fx as fx
 
 from graphopt.checkpoint import FoldedScale
-from graphopt.ops import ParameterUsage, WeightedOpView, arithmetic_operands, get_attr, weighted_op_view
+from graphopt.ops import ParameterUsage, WeightedOpView, arithmetic_operands, get_attr, permute_dims, weighted_op_view
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
-
-aten = torch.ops.aten
-_PERMUTES = (torch.permute, aten.permute.default)
-
-
-def _permutation(node: fx.Node) -> list[int] | None:
-    """The dims of a permute (``x.permute(0, 2, 3, 1)``, ``torch.permute(x, [...])``, ATen), else None."""
-    if node.op == "call_method" and node.target == "permute":
-        dims = node.args[1:]
-        dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
-    elif node.op == "call_function" and node.target in _PERMUTES:
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dims")
-    else:
-        return None
-    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
-        return None
-    rank = len(dims)
-    return [d % rank for d in dims]
-
 
 def _scaled_op(gm: fx.GraphModule, value: fx.Node) -> tuple[WeightedOpView, list[fx.Node], list[list[int]]] | None:
     """The conv/linear whose output reaches ``value`` through permutes only, the permute nodes and their dims; else None."""
     permutes: list[fx.Node] = []
     permutations: list[list[int]] = []
     node = value
-    while (dims := _permutation(node)) is not None and isinstance(node.args[0], fx.Node):
+    while (dims := permute_dims(node)) is not None and isinstance(node.args[0], fx.Node):
         permutes.insert(0, node)
         permutations.insert(0, dims)
         node = node.args[0]
@@ -110,7 +91,7 @@ def _plan(
     if sharing is not None:
         return sharing
     scale = get_attr(gm, str(scale_node.target))
-    if len(scale_node.users) > 1 or usage.is_shared(scale) or sum(n.target == scale_node.target for n in gm.graph.nodes if n.op == "get_attr") > 1:
+    if usage.reads(str(scale_node.target)) > 1 or usage.is_shared(scale):
         return f"the scale {scale_node.target} is also read elsewhere"
     if not isinstance(scale, torch.Tensor) or scale.dtype != view.weight.dtype or scale.device != view.weight.device:
         return f"the scale is not a stored {view.weight.dtype} tensor on {view.weight.device}"

@@ -56,6 +56,7 @@ from graphopt.ops import (
     activation_view,
     arithmetic_operands,
     interpreter_inputs,
+    layout_key,
     set_attr,
     weighted_op_view,
 )
@@ -103,6 +104,7 @@ class _Prepacked(nn.Module):
         else:
             self.register_buffer("bias", bias)
         self.post_op, self.binary = post_op, binary
+        self.scalars = list(post_op.scalars)  # the kernels take a list: built once, not per call
         self.pack(weight)
 
     def pack(self, weight: torch.Tensor) -> None:
@@ -155,12 +157,12 @@ class OneDNNConv(_Prepacked):
         self.packed_weight = mkldnn._reorder_convolution_weight(weight.detach(), self.padding, self.stride, self.dilation, self.groups, self.input_size)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        attr, scalars, algorithm = self.post_op
+        attr, _, algorithm = self.post_op
         if other is None:
-            return mkldnn._convolution_pointwise(x, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, attr, list(scalars), algorithm)
+            return mkldnn._convolution_pointwise(x, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, attr, self.scalars, algorithm)
         unary = None if attr == "none" else attr
         return mkldnn._convolution_pointwise.binary(
-            x, other, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, "add", None, unary, list(scalars), algorithm or None
+            x, other, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, "add", None, unary, self.scalars, algorithm or None
         )
 
     def extra_repr(self) -> str:
@@ -180,8 +182,8 @@ class OneDNNLinear(_Prepacked):
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         if other is None:
-            attr, scalars, algorithm = self.post_op
-            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, list(scalars), algorithm)
+            attr, _, algorithm = self.post_op
+            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, self.scalars, algorithm)
         return mkldnn._linear_pointwise.binary(x, other, self.packed_weight, self.bias, "add")
 
     def extra_repr(self) -> str:
@@ -279,13 +281,6 @@ def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> _F
     return _Fusion(view, nodes, other_index, post_op)
 
 
-def _same_layout(expected: torch.Tensor, actual: torch.Tensor) -> bool:
-    """Same shape, dtype and strides (dims of size 1 have no meaningful stride)."""
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        return False
-    return all(e == a for e, a, size in zip(expected.stride(), actual.stride(), expected.shape) if size > 1)
-
-
 def _build(fusion: _Fusion, length: int, x: torch.Tensor) -> _Prepacked:
     """The module running the first ``length`` nodes of ``fusion``, its weight packed for input ``x``."""
     view = fusion.view
@@ -325,7 +320,7 @@ def _settle(fusion: _Fusion) -> None:
             reason = f"oneDNN refused it ({str(error).splitlines()[0]})"
         else:
             error_value = float((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30))
-            if not _same_layout(expected, actual):
+            if layout_key(expected) != layout_key(actual):
                 reason = (
                     f"oneDNN returns {actual.dtype} with strides {actual.stride()} where the graph has {expected.dtype} with "
                     f"{expected.stride()} (an NCHW input gets a channels_last result: use memory_format='channels_last')"
