@@ -1,0 +1,625 @@
+"""Python side effects of forward(): find them in an eager call, and keep tracing from leaking into user objects.
+
+A captured graph keeps only tensor operations. What else forward() does in Python (print,
+logging, warnings, appending to a list that outlives the call, ``self.calls += 1``) runs
+while graphopt calls forward() to capture it, and never when the optimized module runs.
+`watch_side_effects` finds these in one eager call, each with the line of the user's code,
+and `side_effects_message` tells the user what to do about them.
+
+While fx or torch.export trace forward(), its values are symbolic (fx Proxies, SymInts,
+FakeTensors): appended to the user's own list they would outlive the trace.
+`preserved_user_objects` puts back everything forward() can reach from outside the call.
+
+"Outside the call" means: each submodule's attributes that are not torch's own state
+(parameters, buffers, submodules, hooks and ``training`` are left out), the globals and
+closure variables that the methods of the model's classes refer to (and the functions of
+the same file those refer to by name), and the lists, dicts, sets and deques these hold,
+nested up to `_MAX_DEPTH` levels. A container created during the call is never outside it:
+a local ``outs = []`` filled and then concatenated is not a side effect. In-place updates of
+registered buffers are not side effects either: the graph keeps them. A changed module
+attribute counts only when a line of the user's code that ran sets it: torch's own hooks
+(pruning, spectral norm) set ``weight`` before each call.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import contextlib
+import functools
+import inspect
+import linecache
+import logging
+import os
+import reprlib
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import CellType, CodeType, FrameType, FunctionType
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class SideEffect:
+    """One thing forward() did in Python besides computing tensors."""
+
+    what: str  # e.g. "appends to the list `history` (a global)"
+    where: str = ""  # "path/file.py:12", the user's line; "" when no line could be found
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}" if self.where else self.what
+
+
+@dataclass
+class SideEffectWatch:
+    """What `watch_side_effects` found: ``effects`` is filled when the ``with`` block ends."""
+
+    effects: list[SideEffect] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def watch_side_effects(model: nn.Module) -> Iterator[SideEffectWatch]:
+    """Watch the calls of ``model`` inside the block for Python side effects.
+
+    ``with watch_side_effects(model) as watch: model(*args)``, then ``watch.effects``
+    lists them in source order. Calls of print, ``sys.stdout/stderr`` writes, logging,
+    ``warnings.warn`` and ``open`` count when made from the user's code, not from torch,
+    graphopt or the standard library. A profile function set with ``sys.setprofile`` is
+    suspended inside the block and put back afterwards; a profiler written in C (cProfile
+    before Python 3.12) is left running, and then only changed objects are found, not calls.
+    Nothing is undone: combine with `preserved_user_objects` (outside this block) for that.
+    """
+    snapshot = _Snapshot(model)
+    watch = SideEffectWatch()
+    previous = sys.getprofile()
+    # A C profiler shows up as an object that sys.setprofile could not reinstall.
+    profiler = _Profiler(snapshot.container_ids()) if previous is None or callable(previous) else None
+    if profiler is not None:
+        sys.setprofile(profiler.on_event)
+    try:
+        yield watch
+    finally:
+        if profiler is not None:
+            sys.setprofile(previous)
+        effects = snapshot.changes(profiler)
+        if profiler is not None:
+            effects += profiler.effects
+        watch.effects = _in_source_order(effects)
+
+
+@contextlib.contextmanager
+def preserved_user_objects(model: nn.Module, module_attributes: bool = True) -> Iterator[None]:
+    """Put back, when the block ends, whatever forward() of ``model`` changed outside the call.
+
+    Lists, dicts, sets and deques get their items back in place (the same objects), and
+    module attributes, globals and closure variables their values, so no fx Proxy, SymInt,
+    FakeTensor or value appended while graphopt ran forward() stays in the user's objects.
+    Tensors changed in place and objects reached only through other modules are not covered.
+    ``module_attributes=False`` leaves ``model``'s own attributes alone: for graphopt's copy
+    of a model, whose attributes are not the user's and which passes may change on purpose.
+    """
+    snapshot = _Snapshot(model, module_attributes)
+    try:
+        yield
+    finally:
+        snapshot.restore()
+
+
+_MAX_LISTED = 10
+
+
+def side_effects_message(effects: Sequence[SideEffect], model_name: str = "The model") -> str:
+    """A warning for the user about ``effects`` found in ``model_name``'s forward(); "" when there are none."""
+    if not effects:
+        return ""
+    listed = [f"  - {effect}" for effect in effects[:_MAX_LISTED]]
+    if len(effects) > _MAX_LISTED:
+        listed.append(f"  - ... and {len(effects) - _MAX_LISTED} more")
+    return (
+        f"{model_name}'s forward() has Python side effects that the optimized module will not have:\n"
+        + "\n".join(listed)
+        + "\nThe optimized module runs only the tensor operations of the captured graph, so calling it will not "
+        "print, log or change these objects. Move this code out of forward(), e.g. into a forward hook on the "
+        "optimized module (optimized.register_forward_hook(...)) or into the loop that calls the model; or keep "
+        "the original model where these effects matter."
+    )
+
+
+# --- What counts as the user's code -------------------------------------------------------
+
+_TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
+_GRAPHOPT_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STANDARD_LIBRARY = os.path.dirname(os.__file__) + os.sep
+
+
+@functools.lru_cache(maxsize=None)
+def _is_user_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's (third-party model code included), not torch's, graphopt's or Python's."""
+    if filename.startswith(("<frozen ", "<eval_with_key>")):  # Python's frozen modules; the code fx generates
+        return False
+    if filename.startswith((_TORCH_DIRECTORY, _GRAPHOPT_DIRECTORY)):
+        return False
+    # Outside a virtual environment, site-packages lies inside the standard library's directory.
+    parts = filename.split(os.sep)
+    return not filename.startswith(_STANDARD_LIBRARY) or "site-packages" in parts or "dist-packages" in parts
+
+
+def _location(filename: str, line: int) -> str:
+    here = os.getcwd() + os.sep
+    return f"{filename.removeprefix(here)}:{line}"
+
+
+# --- Calls that announce something: seen by a profile function ------------------------------
+
+_ANNOUNCING_BUILTINS = {id(print): "calls print", id(warnings.warn): "calls warnings.warn", id(open): "opens a file"}
+
+
+def _logging_functions() -> dict[CodeType, str]:
+    """The code of each logging call (``logging.info``, ``Logger.info``, ``LoggerAdapter.info``, ...) -> its name."""
+    functions = {}
+    for owner in (logging, logging.Logger, logging.LoggerAdapter):
+        # The aliases come first: in Python versions where they are the same function, the main name wins.
+        for name in ("warn", "fatal", "debug", "info", "warning", "error", "exception", "critical", "log"):
+            function = getattr(owner, name, None)  # warn and fatal are deprecated, maybe gone
+            if isinstance(function, FunctionType):
+                functions[function.__code__] = f"logging.{name}" if owner is logging else name
+    return functions
+
+
+_LOGGING_FUNCTIONS = _logging_functions()
+
+_MUTATING_METHODS = frozenset(
+    {
+        *("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__", "__iadd__"),
+        *("update", "setdefault", "popitem", "move_to_end", "subtract"),
+        *("add", "discard", "difference_update", "intersection_update", "symmetric_difference_update"),
+        *("appendleft", "extendleft", "popleft", "rotate"),
+    }
+)
+
+
+class _Profiler:
+    """The ``sys.setprofile`` function of `watch_side_effects`, `on_event`.
+
+    It runs for every call and return, torch's ops included: most events cost two set
+    lookups, and only calls that can matter are looked at further.
+    """
+
+    def __init__(self, container_ids: frozenset[int]) -> None:
+        self.owner_ids = container_ids | {id(sys.stdout), id(sys.stderr)}  # whose methods matter
+        self.effects: list[SideEffect] = []
+        self.mutation_lines: dict[int, str] = {}  # id of a watched container -> first line that mutated it
+        self.ran: set[CodeType] = set()  # the Python code that ran: where to look for lines
+
+    def on_event(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "c_call":
+            if id(arg) in _ANNOUNCING_BUILTINS or id(getattr(arg, "__self__", None)) in self.owner_ids:
+                self._c_call(frame, arg)
+        elif event == "call":
+            self.ran.add(frame.f_code)
+            if frame.f_code in _LOGGING_FUNCTIONS:
+                self._logging_call(frame)
+
+    def _c_call(self, frame: FrameType, function: Any) -> None:
+        if not _is_user_file(frame.f_code.co_filename):
+            return
+        where = _location(frame.f_code.co_filename, frame.f_lineno)
+        owner = getattr(function, "__self__", None)  # a bound method such as history.append
+        name = getattr(function, "__name__", "")
+        if id(function) in _ANNOUNCING_BUILTINS:
+            self.effects.append(SideEffect(_ANNOUNCING_BUILTINS[id(function)], where))
+        elif owner is sys.stdout or owner is sys.stderr:
+            if name in ("write", "writelines"):
+                self.effects.append(SideEffect(f"writes to sys.{'stdout' if owner is sys.stdout else 'stderr'}", where))
+        elif name in _MUTATING_METHODS:  # the owner is a watched container
+            self.mutation_lines.setdefault(id(owner), where)
+
+    def _logging_call(self, frame: FrameType) -> None:
+        caller = frame.f_back
+        if caller is None or not _is_user_file(caller.f_code.co_filename):
+            return  # e.g. logging.info() calling Logger.info(): the user's call is reported once
+        logging_function = _LOGGING_FUNCTIONS[frame.f_code]
+        if logging_function.startswith("logging."):
+            what = f"logs with {logging_function}() (the root logger)"
+        else:
+            logger = frame.f_locals.get("self")
+            what = f"logs with logger '{getattr(logger, 'name', '?')}' ({logging_function})"
+        self.effects.append(SideEffect(what, _location(caller.f_code.co_filename, caller.f_lineno)))
+
+
+# --- Objects outside the call: snapshot, compare, restore ---------------------------------
+
+_TORCH_MODULE_KEYS = frozenset(vars(nn.Module()))  # parameters, buffers, submodules, hooks, training
+# Exact types only: restoring goes through their own methods, which a subclass may forbid or change.
+_CONTAINER_TYPES = frozenset({list, dict, set, collections.deque, collections.OrderedDict, collections.defaultdict, collections.Counter})
+_MAX_DEPTH = 3  # a container, the containers in it, and the containers in those
+_MAX_COPIED_ITEMS = 100_000  # past this, nested containers are not looked into (the snapshot stays quick)
+
+
+class _Missing:
+    """The value of a name that is not bound."""
+
+
+_MISSING = _Missing()
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """A name outside the call: how to call it, and the functions that may change it (to find the line)."""
+
+    kind: str  # "attribute" (of a module, reached as self.<name>), "global" or "closure variable"
+    name: str
+    owner: str  # for attributes: the module, e.g. "Counter" or "submodule 'blocks.0' (Block)"
+    functions: tuple[FunctionType, ...]
+
+    @property
+    def expression(self) -> str:
+        return f"self.{self.name}" if self.kind == "attribute" else self.name
+
+    @property
+    def suffix(self) -> str:
+        return f" of {self.owner}" if self.kind == "attribute" else f" (a {self.kind})"
+
+
+@dataclass
+class _Binding:
+    """A module attribute, global or closure variable, and its value when the snapshot was taken."""
+
+    namespace: dict[str, Any] | CellType  # the module's __dict__, the globals, or the closure cell
+    origin: _Origin
+    before: Any
+
+    def now(self) -> Any:
+        if isinstance(self.namespace, dict):
+            return self.namespace.get(self.origin.name, _MISSING)
+        try:
+            return self.namespace.cell_contents
+        except ValueError:  # an empty cell: the enclosing function has not assigned the variable yet
+            return _MISSING
+
+    def restore(self) -> None:
+        if isinstance(self.namespace, dict):
+            if self.before is _MISSING:
+                self.namespace.pop(self.origin.name, None)
+            else:
+                self.namespace[self.origin.name] = self.before
+        elif self.before is _MISSING:
+            del self.namespace.cell_contents
+        else:
+            self.namespace.cell_contents = self.before
+
+    def describe(self, now: Any) -> str:
+        label = f"`{self.origin.expression}`{self.origin.suffix}"
+        if self.before is _MISSING:
+            return f"sets {label} (to {_short(now)})"
+        if now is _MISSING:
+            return f"deletes {label}"
+        return f"changes {label} ({_short(self.before)} -> {_short(now)})"
+
+
+@dataclass
+class _Container:
+    """A list, dict, set or deque outside the call, and its items when the snapshot was taken."""
+
+    value: Any
+    expression: str  # how forward() reaches it, e.g. "self.stats['calls']"
+    origin: _Origin
+    before: list[Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.before = _items(self.value)
+
+    def changed(self) -> bool:
+        now = _items(self.value)
+        if isinstance(self.value, set):  # iteration order may change without any change of the set
+            return {id(item) for item in now} != {id(item) for item in self.before}
+        return not _identical(self.before, now)
+
+    def restore(self) -> None:
+        if isinstance(self.value, list):
+            self.value[:] = self.before
+            return
+        self.value.clear()
+        if isinstance(self.value, dict):
+            for key, item in zip(self.before[::2], self.before[1::2]):  # one by one: Counter.update would add counts
+                self.value[key] = item
+        elif isinstance(self.value, set):
+            self.value.update(self.before)
+        else:
+            self.value.extend(self.before)
+
+    def describe(self) -> str:
+        now = _items(self.value)
+        if isinstance(self.value, set):
+            verb = "adds to" if {id(item) for item in self.before} <= {id(item) for item in now} else "changes"
+        elif isinstance(self.value, dict):
+            verb = "writes into" if {id(key) for key in self.before[::2]} <= {id(key) for key in now[::2]} else "changes"
+        else:
+            verb = "appends to" if len(now) > len(self.before) and _identical(self.before, now[: len(self.before)]) else "changes"
+        return f"{verb} the {type(self.value).__name__} `{self.expression}`{self.origin.suffix}"
+
+
+def _items(container: Any) -> list[Any]:
+    """The items of a container; a dict's as key, value, key, value, ..."""
+    if isinstance(container, dict):
+        return [part for pair in container.items() for part in pair]
+    return list(container)
+
+
+def _identical(before: list[Any], now: list[Any]) -> bool:
+    # By identity: == on tensors is elementwise, and writing a new equal value is still a write.
+    return len(before) == len(now) and all(old is new for old, new in zip(before, now))
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)}"
+    return reprlib.repr(value)
+
+
+class _Snapshot:
+    """Everything forward() of a model can reach from outside the call, as it is now."""
+
+    def __init__(self, model: nn.Module, module_attributes: bool = True) -> None:
+        self.bindings: list[_Binding] = []
+        self.containers: list[_Container] = []
+        self._modules: list[tuple[nn.Module, str, tuple[FunctionType, ...]]] = []
+        self._watched_ids: set[int] = set()
+        self._copied_items = 0
+        functions_by_class: dict[type, tuple[FunctionType, ...]] = {}
+        for path, module in model.named_modules():
+            if type(module) not in functions_by_class:
+                functions_by_class[type(module)] = _functions_of(type(module))
+            functions = functions_by_class[type(module)]
+            if not module_attributes:
+                continue
+            owner = f"submodule '{path}' ({type(module).__name__})" if path else type(module).__name__
+            self._modules.append((module, owner, functions))
+            for name in _user_attribute_names(module):
+                self._watch_binding(vars(module), _Origin("attribute", name, owner, functions))
+        self.functions = _with_helpers([function for functions in functions_by_class.values() for function in functions])
+        self._watch_globals(self.functions)
+        self._watch_closures(self.functions)
+
+    def container_ids(self) -> frozenset[int]:
+        return frozenset(id(container.value) for container in self.containers)
+
+    def changes(self, profiler: _Profiler | None) -> list[SideEffect]:
+        """What changed since the snapshot, each with its line (the profiler's record says which code ran)."""
+        ran = profiler.ran if profiler is not None else None
+        mutation_lines = profiler.mutation_lines if profiler is not None else {}
+        effects = []
+        for binding in self._all_bindings():
+            now = binding.now()
+            if now is binding.before:
+                continue
+            where = _find_line(binding.origin, ran, _rebinds)
+            if not where and binding.origin.kind == "attribute":
+                # Set from elsewhere: the user's code reaching the module otherwise (a parent's forward, a hook)
+                # is found by the attribute's name; torch's hooks (pruning and spectral norm recompute `weight`
+                # before each call) are not the user's Python, and are not reported.
+                searched = _user_code(ran) if ran is not None else [function.__code__ for function in self.functions]
+                where = _line_setting_attribute(binding.origin.name, searched)
+                if not where:
+                    continue
+            effects.append(SideEffect(binding.describe(now), where))
+        for container in self.containers:
+            if container.changed():
+                origin = container.origin
+                where = mutation_lines.get(id(container.value)) or _find_line(origin, ran, _mutates) or _find_line(origin, ran, _mentions)
+                effects.append(SideEffect(container.describe(), where))
+        return effects
+
+    def restore(self) -> None:
+        for container in self.containers:
+            if container.changed():
+                container.restore()
+        for binding in self._all_bindings():
+            if binding.now() is not binding.before:
+                binding.restore()
+
+    def _all_bindings(self) -> list[_Binding]:
+        """The bindings of the snapshot, and the module attributes set since (which were unset before)."""
+        known = {(id(binding.namespace), binding.origin.name) for binding in self.bindings}
+        new = [
+            _Binding(vars(module), _Origin("attribute", name, owner, functions), _MISSING)
+            for module, owner, functions in self._modules
+            for name in _user_attribute_names(module)
+            if (id(vars(module)), name) not in known
+        ]
+        return self.bindings + new
+
+    def _watch_binding(self, namespace: dict[str, Any] | CellType, origin: _Origin) -> None:
+        binding = _Binding(namespace, origin, _MISSING)
+        binding.before = binding.now()
+        self.bindings.append(binding)
+        self._watch_container(binding.before, origin.expression, origin, depth=1)
+
+    def _watch_container(self, value: Any, expression: str, origin: _Origin, depth: int) -> None:
+        if type(value) not in _CONTAINER_TYPES or id(value) in self._watched_ids:
+            return
+        self._watched_ids.add(id(value))
+        container = _Container(value, expression, origin)
+        self.containers.append(container)
+        self._copied_items += len(container.before)
+        if depth < _MAX_DEPTH and self._copied_items < _MAX_COPIED_ITEMS and not isinstance(value, set):
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                self._watch_container(item, f"{expression}[{key!r}]", origin, depth + 1)
+
+    def _watch_globals(self, functions: list[FunctionType]) -> None:
+        readers: dict[tuple[int, str], list[FunctionType]] = {}
+        for function in functions:
+            for name in _names_used(function.__code__):
+                readers.setdefault((id(function.__globals__), name), []).append(function)
+        for (_, name), functions_using in readers.items():
+            self._watch_binding(functions_using[0].__globals__, _Origin("global", name, "", tuple(functions_using)))
+
+    def _watch_closures(self, functions: list[FunctionType]) -> None:
+        readers: dict[int, tuple[CellType, str, list[FunctionType]]] = {}
+        for function in functions:
+            for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+                if name != "__class__":  # the cell behind super(): the class itself
+                    readers.setdefault(id(cell), (cell, name, []))[2].append(function)
+        for cell, name, functions_using in readers.values():
+            self._watch_binding(cell, _Origin("closure variable", name, "", tuple(functions_using)))
+
+
+def _user_attribute_names(module: nn.Module) -> list[str]:
+    return [name for name in vars(module) if name not in _TORCH_MODULE_KEYS]
+
+
+def _plain_function(value: Any) -> FunctionType | None:
+    """The Python function behind a method, static or class method, or a functools.wraps decorator."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if not isinstance(value, FunctionType):
+        return None
+    unwrapped = inspect.unwrap(value)  # e.g. forward decorated with @torch.no_grad()
+    return unwrapped if isinstance(unwrapped, FunctionType) else value
+
+
+def _functions_of(cls: type) -> tuple[FunctionType, ...]:
+    """The methods of ``cls`` and its bases written in the user's code (torch's own are left out).
+
+    ``__init__`` is left out: it ran before the call, and its ``self.calls = 0`` is not the line to report.
+    """
+    functions = []
+    for klass in cls.__mro__:
+        for attribute, value in vars(klass).items():
+            function = _plain_function(value)
+            if function is not None and attribute != "__init__" and _is_user_file(function.__code__.co_filename):
+                functions.append(function)
+    return tuple(functions)
+
+
+def _with_helpers(functions: list[FunctionType]) -> list[FunctionType]:
+    """``functions`` and the functions of their own files that they refer to by name, transitively."""
+    found = list(functions)
+    codes = {function.__code__ for function in found}
+    for function in found:  # grows while iterating: helpers of helpers
+        for name in _names_used(function.__code__):
+            helper = function.__globals__.get(name)
+            if isinstance(helper, FunctionType) and helper.__globals__ is function.__globals__ and helper.__code__ not in codes:
+                codes.add(helper.__code__)
+                found.append(helper)
+    return found
+
+
+def _names_used(code: CodeType) -> set[str]:
+    """Global and attribute names used by ``code`` and the functions, lambdas and comprehensions inside it."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):
+            names |= _names_used(constant)
+    return names
+
+
+# --- Finding the line: the source of the functions that ran -------------------------------
+
+_Matcher = Callable[[ast.AST], bool]
+_Definition = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _find_line(origin: _Origin, ran: set[CodeType] | None, matches: Callable[[ast.AST, _Matcher], bool]) -> str:
+    """The first line of ``origin``'s functions (those that ran, when known) where ``matches`` holds; "" if none."""
+    for function in origin.functions:
+        definition = _definition(function.__code__) if ran is None or function.__code__ in ran else None
+        if definition is not None:
+            is_name = _name_matcher(origin, definition)
+            lines = [node.lineno for node in ast.walk(definition) if matches(node, is_name)]
+            if lines:
+                return _location(function.__code__.co_filename, min(lines))
+    return ""
+
+
+def _line_setting_attribute(name: str, codes: Iterable[CodeType]) -> str:
+    """The first line in ``codes`` that sets or deletes an attribute ``name`` of anything (``self.counter.calls += 1``)."""
+    for code in codes:
+        definition = _definition(code)
+        if definition is not None:
+            lines = [
+                node.lineno
+                for node in ast.walk(definition)
+                if isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, (ast.Store, ast.Del))
+            ]
+            if lines:
+                return _location(code.co_filename, min(lines))
+    return ""
+
+
+def _user_code(ran: set[CodeType]) -> list[CodeType]:
+    return sorted((code for code in ran if _is_user_file(code.co_filename)), key=lambda code: (code.co_filename, code.co_firstlineno))
+
+
+def _rebinds(node: ast.AST, is_name: _Matcher) -> bool:
+    """``self.calls = ...``, ``self.calls += 1``, ``del self.cache``, ``counter = ...`` (under ``global``)."""
+    return isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del)) and is_name(node)
+
+
+def _mutates(node: ast.AST, is_name: _Matcher) -> bool:
+    """``history.append(x)``, ``self.seen[k] = v``, ``del self.seen[k]``, ``self.stats['n'] += 1``."""
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATING_METHODS and _reaches(node.func.value, is_name)
+    if isinstance(node, ast.AugAssign):
+        return _reaches(node.target, is_name)
+    if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return _reaches(node.value, is_name)
+    return False
+
+
+def _mentions(node: ast.AST, is_name: _Matcher) -> bool:
+    """Any use, when no line changes it visibly: ``heapq.heappush(self.heap, x)``."""
+    return is_name(node)
+
+
+def _reaches(node: ast.AST, is_name: _Matcher) -> bool:
+    """Whether ``node`` is the name, or an item or attribute of it (``self.stats['calls']``)."""
+    while not is_name(node):
+        if not isinstance(node, (ast.Subscript, ast.Attribute)):
+            return False
+        node = node.value
+    return True
+
+
+def _name_matcher(origin: _Origin, definition: _Definition) -> _Matcher:
+    if origin.kind != "attribute":
+        return lambda node: isinstance(node, ast.Name) and node.id == origin.name
+    arguments = [*definition.args.posonlyargs, *definition.args.args]
+    self_name = arguments[0].arg if arguments else None
+    return lambda node: (
+        isinstance(node, ast.Attribute) and node.attr == origin.name and isinstance(node.value, ast.Name) and node.value.id == self_name
+    )
+
+
+def _definition(code: CodeType) -> _Definition | None:
+    """The ``def`` of ``code`` in its file's syntax tree (lines numbered as in the file)."""
+    # linecache is what inspect.getsourcelines reads: files, and notebook cells registered by IPython.
+    return _definitions("".join(linecache.getlines(code.co_filename))).get((code.co_name, code.co_firstlineno))
+
+
+@functools.lru_cache(maxsize=16)
+def _definitions(source: str) -> dict[tuple[str, int], _Definition]:
+    """Each ``def`` of ``source`` by (name, first line), the line of its first decorator as in ``co_firstlineno``."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # the file changed since it was imported, or is not Python
+        return {}
+    return {
+        (node.name, min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])): node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+
+
+def _in_source_order(effects: Iterable[SideEffect]) -> list[SideEffect]:
+    """Without repeats (a print in a loop is one effect), sorted by file and line; those without a line last."""
+
+    def position(effect: SideEffect) -> tuple[bool, str, int]:
+        filename, _, line = effect.where.rpartition(":")
+        return (not effect.where, filename, int(line) if line.isdigit() else 0)
+
+    return sorted(dict.fromkeys(effects), key=position)
