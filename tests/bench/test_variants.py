@@ -47,7 +47,8 @@ def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None
     with torch.inference_mode():
         expected = setup.model(*setup.inputs)
         output = BY_KEY[key].build(setup)()
-    low_precision = "amp" in key or "low" in key
+    # tune may pick any candidate within its accuracy (3e-2): which one depends on this CPU's speeds
+    low_precision = "amp" in key or "low" in key or key == "graphopt-tune"
     assert relative_error(expected, output) < TOLERANCES["low" if low_precision else "fp32"]
     assert model_state(setup.model) == before, f"{key} changed the shared model"
 
