@@ -23,15 +23,18 @@ from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.device import enable_cudnn_benchmark, resolve_device
 from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
 from graphopt.diff import snapshot
-from graphopt.errors import CheckpointError, InvalidModelError, InvalidOptionError, ModeSwitchError, UnknownPassError
+from graphopt.errors import CheckpointError, InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, UnknownPassError, VerificationWarning
+from graphopt.inputs import InputSignature
 from graphopt.ops import PRECISION_FAMILY_NAMES, get_attr
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.passes.use_onednn_kernels import prepacked_modules
-from graphopt.pipeline import low_precision_position, resolve_passes, run_passes
+from graphopt.pipeline import Verifier, low_precision_position, resolve_passes, run_verified
 from graphopt.report import Report
-from graphopt.validate import check_inputs, check_model, reference_run
-from graphopt.verify import tolerance_for
+from graphopt.side_effects import preserved_user_objects, side_effects_message, watch_side_effects
+from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
+from graphopt import verify as verify_outputs
+from graphopt.verify import Check, tolerance_for
 
 
 class OptimizedModule(nn.Module):
@@ -39,6 +42,9 @@ class OptimizedModule(nn.Module):
 
     - ``graphopt_report``: the `Report` of what was done.
     - ``graph_module``: the optimized ``torch.fx.GraphModule`` (also ``.graph``, ``.code``).
+    - ``input_signature``: the calls it accepts (`graphopt.inputs.InputSignature`): the
+      example's dtypes, devices, ranks and sizes, the batch size free where a second batch
+      size was verified. Other calls raise `InputMismatchError` before the graph runs.
     - Inference: forward runs under ``torch.inference_mode()`` (``inference_mode`` is
       True), whose outputs are inference tensors: they cannot be saved for backward
       (e.g. as distillation targets) or updated in place later. Set
@@ -57,7 +63,14 @@ class OptimizedModule(nn.Module):
 
     graph_module: fx.GraphModule
 
-    def __init__(self, graph_module: fx.GraphModule, report: Report, runner: FusedRegion | None = None, original_keys: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        report: Report,
+        runner: FusedRegion | None = None,
+        original_keys: Iterable[str] = (),
+        signature: InputSignature | None = None,
+    ) -> None:
         super().__init__()
         # Share, don't register: registering would prefix every state_dict key with "graph_module.".
         object.__setattr__(self, "graph_module", graph_module)
@@ -70,6 +83,7 @@ class OptimizedModule(nn.Module):
         self.training = report.mode == "training"
         self.inference_mode = report.mode == "inference" and not _updates_state(graph_module)
         self.original_keys = tuple(original_keys)  # the original model's state_dict keys, in its order
+        self.input_signature = signature  # the calls the graph accepts (None: not checked)
 
     @property
     def graph(self) -> fx.Graph:
@@ -80,6 +94,10 @@ class OptimizedModule(nn.Module):
         return self.graph_module.code
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.input_signature is not None:
+            args = self.input_signature.bind(args, kwargs)
+            self.input_signature.check(args)
+            kwargs = {}
         if self.graphopt_report.mode == "training":
             return self._runner(*args, **kwargs)
         with torch.inference_mode() if self.inference_mode else torch.no_grad():
@@ -227,7 +245,7 @@ def optimize(
     disable: Iterable[str] = (),
     frontend: str = "auto",
     dynamic_batch: bool = True,
-    verify: bool = True,
+    verify: bool | str = True,
     memory_format: str = "auto",
     keep_channels_last_outputs: bool = False,
     precision: str = "fp32",
@@ -298,6 +316,7 @@ def optimize(
         raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
     infos = _select_passes(resolved_mode, passes, disable, memory_format, low_dtype, fuse)
     check_frontend(frontend)  # every option is checked before the costly steps below
+    strict = _check_verify(verify)
     if tune:
         fixed = {
             name: value
@@ -306,56 +325,126 @@ def optimize(
         }
         common = dict(
             mode=mode, disable=disable, frontend=frontend, dynamic_batch=dynamic_batch, keep_channels_last_outputs=keep_channels_last_outputs,
-            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device,
+            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
         )  # fmt: skip
         return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
     target = resolve_device(device, model, example_inputs)
     args = check_inputs(model, example_inputs, target if device is not None else None)
-    try:
-        owned = copy.deepcopy(model)
-    except Exception as error:
-        raise InvalidModelError(
-            f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
-            "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
-        ) from error
-    if device is not None:
-        owned.to(target)
-    owned.train(resolved_mode == "training")
-    reference = reference_run(owned, args)
-    captured = capture_graph(owned, args, reference, frontend, dynamic_batch)
-    gm = captured.graph_module
-    report = Report(
-        mode=resolved_mode,
-        frontend=captured.frontend,
-        capture_attempts=captured.attempts,
-        notes=captured.notes,
-        verified=verify,
-        tolerance=_output_tolerance(reference.outputs, low_dtype),
-        capture_seconds=captured.seconds,
-    )
-    context = PassContext(
-        mode=resolved_mode,
-        example_inputs=args,
-        keep_channels_last_outputs=keep_channels_last_outputs,
-        measure=memory_format == "auto",
-        precision=low_dtype,
-        low_precision_ops=low_ops,
-        fp32_ops=kept_ops,
-        device=target,
-    )
-    report.captured_nodes = snapshot(gm.graph)
-    gm, report.passes, report.diffs = run_passes(gm, infos, context, reference.outputs if verify else None, captured.max_error)
-    report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
-    runner = None
-    if fuse is not None:
-        # compiled code is specific to the autograd mode: compile for the one forward will run in
-        inference = resolved_mode == "inference" and not _updates_state(gm)
-        run_context = torch.inference_mode if inference else torch.enable_grad if resolved_mode == "training" else torch.no_grad
-        if fuse == "graph":
-            runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
-        else:
-            report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
-    return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys())
+    training = resolved_mode == "training"
+
+    def owned_copy() -> nn.Module:
+        try:
+            owned = copy.deepcopy(model)
+        except Exception as error:
+            raise InvalidModelError(
+                f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
+                "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
+            ) from error
+        if device is not None:
+            owned.to(target)
+        return owned.train(training)
+
+    owned = owned_copy()
+    # forward() runs many times below (reference, capture, checks): what it writes outside the call (globals,
+    # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
+    with preserved_user_objects(owned, module_attributes=False):
+        with watch_side_effects(owned) as watch:
+            example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
+        others = SecondInputs(owned, args, vary_batch=dynamic_batch, gradients=training) if verify else ()
+        captured = capture_graph(owned, example, frontend, dynamic_batch, others)
+        report = Report(
+            mode=resolved_mode,
+            frontend=captured.frontend,
+            capture_attempts=captured.attempts,
+            notes=captured.notes,
+            verified=bool(verify),
+            tolerance=_output_tolerance(example.expected.outputs, low_dtype),
+            capture_seconds=captured.seconds,
+        )
+        context = PassContext(
+            mode=resolved_mode,
+            example_inputs=args,
+            keep_channels_last_outputs=keep_channels_last_outputs,
+            measure=memory_format == "auto",
+            precision=low_dtype,
+            low_precision_ops=low_ops,
+            fp32_ops=kept_ops,
+            device=target,
+        )
+        report.captured_nodes = snapshot(captured.graph_module.graph)
+        side_effects = side_effects_message(watch.effects, type(model).__name__)
+        if side_effects:
+            warnings.warn(f"graphopt: {side_effects}", SideEffectWarning, stacklevel=3)
+            report.warnings.append(side_effects)
+        second = captured.second
+        if verify:
+            report.warnings += _unverifiable(example, second, others, low_dtype)
+            report.second_input = second.description.removeprefix("a second input (").removesuffix(")") if second is not None else ""
+        verifier = Verifier(example, second, resolved_mode, strict, original=owned_copy) if verify else None
+        recaptures = iter([captured.graph_module])
+
+        def fresh_graph() -> fx.GraphModule:
+            """The captured graph, then (a pass rolled back) the same capture of a new copy of the model."""
+            graph = next(recaptures, None)
+            if graph is not None:
+                return graph
+            return capture_graph(owned_copy(), example, captured.frontend, dynamic_batch).graph_module
+
+        gm, report.passes, report.diffs, second_comparison = run_verified(fresh_graph, infos, context, verifier, captured.max_error)
+        if second_comparison is not None:
+            outputs, gradients = second_comparison
+            report.second_input_error = outputs.max_error
+            report.second_input_gradient_error = None if gradients is None else gradients.max_error
+        report.warnings += [f"pass {p.name!r} was rolled back: it failed verification (see its entry below)" for p in report.passes if p.rolled_back]
+        report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
+        runner = None
+        if fuse is not None:
+            # compiled code is specific to the autograd mode: compile for the one forward will run in
+            inference = resolved_mode == "inference" and not _updates_state(gm)
+            run_context = torch.inference_mode if inference else torch.enable_grad if resolved_mode == "training" else torch.no_grad
+            if fuse == "graph":
+                runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
+            else:
+                report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
+        # the batch may vary in calls only where a second batch size was verified (or, unverified, where asked for)
+        varies = second is not None and second.batch is not None if verify else dynamic_batch
+        signature = InputSignature(model, args, dynamic_batch=varies, fixed_values=captured.frontend == "export")
+        return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
+
+
+VERIFY_OPTIONS = (True, False, "strict")
+
+
+def _check_verify(verify: Any) -> bool:
+    """Whether ``verify`` asks for strict verification; an unknown value raises `InvalidOptionError`."""
+    if not any(verify is option or (isinstance(option, str) and verify == option) for option in VERIFY_OPTIONS):
+        raise InvalidOptionError(
+            f"verify={verify!r}: use True (check every pass; roll back one that fails, with a warning), 'strict' "
+            "(any mismatch raises VerificationError) or False (no checks)"
+        )
+    return verify == "strict"
+
+
+def _unverifiable(example: Check, second: Check | None, others: Any, low_dtype: torch.dtype | None) -> list[str]:
+    """What the user must know about the checks themselves: outputs too small to verify, no second input."""
+    warnings_ = []
+    for check in filter(None, [example, second]):
+        degenerate = verify_outputs.degenerate_outputs(check.expected.outputs, low_dtype)
+        if degenerate:
+            warnings_.append(
+                f"on {check.description}, {'; '.join(degenerate)}: verification cannot tell a correct rewrite from a wrong "
+                "one at that scale (the activations vanish with these weights, e.g. a random initialisation). Verify with "
+                "trained weights, or example inputs that give outputs of normal magnitude."
+            )
+    if second is None:
+        refused = "; ".join(getattr(others, "refused", [])[:2])
+        warnings_.append(
+            "verified on the example inputs only: no second input (other batch size, values, strides) was accepted"
+            + (f" ({refused})" if refused else "")
+        )
+    for warning in warnings_:
+        warnings.warn(f"graphopt: {warning}", VerificationWarning, stacklevel=4)
+    return warnings_
 
 
 def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed: dict[str, Any], accuracy: float | None, budget_s: float) -> OptimizedModule:

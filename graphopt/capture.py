@@ -11,9 +11,12 @@ Frontends:
   and produces ATen ops; the train/eval mode at capture time is baked into the graph.
 - ``"auto"``: fx first, then export.
 
-Every captured graph runs on the example inputs and must reproduce the eager outputs
-before any pass touches it; a graph that traces but computes something else (fx
-silently specialises Python values) counts as a failed frontend.
+Every captured graph runs on the example inputs and on a second input (another batch
+size, fresh values, other strides) and must reproduce the eager outputs, buffer updates
+and, in training mode, gradients before any pass touches it; a graph that traces but
+computes something else counts as a failed frontend (fx silently specialises Python
+values, and drops ``torch.no_grad()``/``torch.autocast`` blocks and in-place updates of
+buffers that do not involve its inputs).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import copy
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,6 +38,7 @@ from torch.utils import _pytree as pytree
 from graphopt import verify
 from graphopt.errors import CaptureError, InvalidOptionError
 from graphopt.ops import remove_dead_code
+from graphopt.side_effects import preserved_user_objects
 from graphopt.validate import check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
@@ -66,6 +70,7 @@ class Captured:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     max_error: float = 0.0  # error of the captured graph vs eager on the example inputs
+    second: verify.Check | None = None  # the second input the graph was checked on (None: it accepts none of them)
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -74,16 +79,15 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
+def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
     tracer = fx.Tracer()
     tracer.record_stack_traces = True  # source lines for the report (e.g. sync points)
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
         gm = fx.GraphModule(model, tracer.trace(model), model.__class__.__name__)
-    # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check.
-    state: dict[str, torch.Tensor] = {}
-    with verify.isolated(gm, state_after=state):
-        outputs = ShapeProp(gm).propagate(*args)
-    return gm, verify.Reference(outputs, state), []  # fx graphs take any batch size unless the code fixes one
+    # ShapeProp records shapes/dtypes for the passes' guards
+    with verify.isolated(gm):
+        ShapeProp(gm).propagate(*args)
+    return gm, verify.run_reference(gm, args, gradients=gradients), []  # fx graphs take any batch size unless the code fixes one
 
 
 def _batch_dynamic_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -93,10 +97,11 @@ def _batch_dynamic_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(pytree.tree_map(spec, arg) for arg in args)
 
 
-def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
+def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
     dynamic_shapes = _batch_dynamic_shapes(args) if dynamic_batch else None
     exported = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
     gm = exported.module()
+    _remove_self_copies(gm)
     notes = []
     if dynamic_batch:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
@@ -107,7 +112,42 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool) 
                 "(a batch of 1, or a model that hard-codes its batch size): the optimized model accepts only that "
                 "batch size. Give example inputs with a batch of 2 or more to keep it dynamic."
             )
-    return gm, verify.run_reference(gm, args), notes
+    return gm, verify.run_reference(gm, args, gradients=gradients), notes
+
+
+def _remove_self_copies(gm: fx.GraphModule) -> None:
+    """Drop export's ``copy_(buffer, value)`` where ``value`` already is ``buffer``, updated in place.
+
+    ``self.steps += 1`` in forward exports as ``add_(steps, 1)`` and, at the end,
+    ``copy_(steps, add_)``: a copy of the buffer onto itself, which bumps its version
+    counter after other ops saved it for backward, so ``backward()`` raised "modified by
+    an inplace operation". The values are the same without the copy.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or len(node.args) < 2:
+            continue
+        destination, source = node.args[0], node.args[1]
+        if _same_memory(source, destination):
+            node.replace_all_uses_with(destination)
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _same_memory(value: Any, target: Any) -> bool:
+    """Whether ``value`` is ``target`` or the result of in-place ops on it (``add_(target, 1)``, chained)."""
+    while isinstance(value, fx.Node) and value is not target:
+        op = value.target
+        if value.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not value.args:
+            return False
+        written = [a for a, arg in zip(value.args, op._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+        returns = op._schema.returns
+        if written != [value.args[0]] or len(returns) != 1 or returns[0].alias_info is None:
+            return False
+        value = value.args[0]
+    return value is target
 
 
 _TRACERS = {"fx": _trace_fx, "export": _trace_export}
@@ -118,46 +158,80 @@ def check_frontend(frontend: str) -> None:
         raise InvalidOptionError(f"unknown frontend {frontend!r}: use one of {', '.join(map(repr, FRONTENDS))}")
 
 
+def _first_accepted(gm: fx.GraphModule, checks: Sequence[verify.Check], gradients: bool) -> tuple[verify.Check | None, verify.Reference | None]:
+    """The first of ``checks`` the graph runs on (an exported graph may refuse another batch size), with its run."""
+    for check in checks:
+        try:
+            return check, verify.run_reference(gm, check.args, gradients=gradients)
+        except Exception:
+            continue
+    return None, None
+
+
+def _mismatch(frontend: str, model: nn.Module, gm: fx.GraphModule, actual: verify.Reference, check: verify.Check) -> str | None:
+    """Why the captured graph does not compute what eager did on ``check`` (state first: it explains the outputs)."""
+    expected = check.expected
+    state = verify.compare_state(expected.state, actual.state)
+    if not state.ok:
+        why = "; symbolic_trace drops in-place updates of buffers" if frontend == "fx" else ""
+        return f"the captured graph does not update {state.where} as forward() does on {check.description} ({state.detail}{why})"
+    outputs = verify.compare(expected.outputs, actual.outputs)
+    if not outputs.ok:
+        why = "; symbolic_trace drops torch.autocast blocks in forward()" if frontend == "fx" and "dtype" in outputs.detail else ""
+        return (
+            f"the captured graph computes something else than eager on {check.description}: {outputs.where} differs by "
+            f"{outputs.max_error:.2e} (tolerance {outputs.tolerance:.0e}) {outputs.detail}{why}"
+        ).strip()
+    if expected.gradients is not None and actual.gradients is not None:
+        gradients = verify.compare_gradients(expected.gradients, actual.gradients, verify.tolerance_for(torch.float32))
+        gradients = verify.confirm_gradients(gradients, model, gm, check.args)
+        if not gradients.ok:
+            why = (
+                "; symbolic_trace drops `with torch.no_grad()`, torch.set_grad_enabled() and torch.autocast blocks in forward() "
+                "(pytorch issue 62043): parameters frozen that way would train"
+            ) if frontend == "fx" else ""
+            return f"the captured graph's gradients differ from eager on {check.description}: {gradients.where} {gradients.detail}{why}"
+    return None
+
+
 def capture_graph(
     model: nn.Module,
-    args: tuple[Any, ...],
-    expected: verify.Reference,
+    example: verify.Check,
     frontend: str = "auto",
     dynamic_batch: bool = True,
+    others: Sequence[verify.Check] = (),
 ) -> Captured:
-    """Capture ``model`` (which the caller owns: fx shares its submodules) and check it against ``expected``.
+    """Capture ``model`` (which the caller owns: fx shares its submodules) and check it against eager.
 
-    ``expected`` holds the eager outputs and state updates on ``args`` (`verify.run_reference`).
+    ``example.expected`` holds the eager outputs, state updates and, in training mode,
+    gradients on the example (`verify.run_reference`). ``others`` are second inputs the
+    eager model accepts, most different first: the graph must match eager on the first
+    one it accepts (`Captured.second`), so a frontend that specialised a value of the
+    example fails here.
     """
     check_frontend(frontend)
     started = time.perf_counter()
     attempts: dict[str, str] = {}
+    gradients = example.expected.gradients is not None
     for name in ("fx", "export") if frontend == "auto" else (frontend,):
         try:
-            gm, actual, notes = _TRACERS[name](model, args, dynamic_batch)
-            comparison = verify.compare(expected.outputs, actual.outputs)
-            state_comparison = verify.compare_state(expected.state, actual.state)
+            gm, actual, notes = _TRACERS[name](model, example.args, dynamic_batch, gradients)
+            reason = _mismatch(name, model, gm, actual, example)
+            second, second_actual = _first_accepted(gm, others, gradients) if reason is None else (None, None)
+            if second is not None and second_actual is not None:
+                reason = _mismatch(name, model, gm, second_actual, second)
         except Exception as error:  # any failure of a frontend is a reason to try the next one
             attempts[name] = _first_line(error)
             continue
-        if not comparison.ok:
-            attempts[name] = (
-                f"the captured graph computes something else than eager: {comparison.where} differs by "
-                f"{comparison.max_error:.2e} (tolerance {comparison.tolerance:.0e}) {comparison.detail}".strip()
-            )
-            continue
-        if not state_comparison.ok:
-            why = "; symbolic_trace drops in-place updates of buffers" if name == "fx" else ""
-            attempts[name] = (
-                f"the captured graph does not update {state_comparison.where} as forward() does "
-                f"({state_comparison.detail}{why})"
-            )
+        if reason is not None:
+            attempts[name] = reason
             continue
         # Drop what the frontend left unused (export reads every buffer, keeps dead shape
         # computations), so each pass's node changes in the report are its own.
         remove_dead_code(gm)
         gm.recompile()
-        return Captured(gm, name, attempts, notes, time.perf_counter() - started, comparison.max_error)
+        comparison = verify.compare(example.expected.outputs, actual.outputs)
+        return Captured(gm, name, attempts, notes, time.perf_counter() - started, comparison.max_error, second)
     reasons = "\n".join(f"  - {name}: {reason}" for name, reason in attempts.items())
     hint = (
         "Hint: frontend='fx' needs forward() free of Python control flow on tensor shapes or values; "
@@ -187,6 +261,7 @@ def capture(
     check_model(model)
     args = check_inputs(model, example_inputs)
     owned = copy.deepcopy(model)
-    captured = capture_graph(owned, args, reference_run(owned, args), frontend, dynamic_batch)
+    with preserved_user_objects(owned, module_attributes=False):  # tracing must not leave symbolic values in the user's objects
+        captured = capture_graph(owned, verify.Check(args, reference_run(owned, args), "the example inputs"), frontend, dynamic_batch)
     captured.graph_module.meta["graphopt_frontend"] = captured.frontend
     return captured.graph_module

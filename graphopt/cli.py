@@ -129,7 +129,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         passes=_split_names(args.passes),
         disable=_split_names(args.disable) or (),
         frontend=args.frontend,
-        verify=not args.no_verify,
+        verify="strict" if args.strict_verify else not args.no_verify,
         memory_format=args.memory_format,
         keep_channels_last_outputs=args.keep_channels_last_outputs,
         precision=args.precision,
@@ -303,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--frontend", choices=FRONTENDS, default="auto")
     run.add_argument("--passes", metavar="A,B", help="run exactly these passes, in order")
     run.add_argument("--disable", metavar="A,B", help="leave these passes out")
-    run.add_argument("--no-verify", action="store_true", help="skip the numeric check after each pass")
+    checks = run.add_mutually_exclusive_group()
+    checks.add_argument("--no-verify", action="store_true", help="skip the checks against the original model")
+    checks.add_argument("--strict-verify", action="store_true", help="fail on any mismatch instead of rolling the pass back (for CI)")
     run.add_argument(
         "--memory-format",
         choices=MEMORY_FORMATS,

@@ -20,6 +20,10 @@ class InvalidInputsError(GraphoptError, ValueError):
     """The example inputs are of the wrong kind, or the model rejects them."""
 
 
+class InputMismatchError(GraphoptError, ValueError):
+    """An optimized module was called with inputs outside those it was captured and verified for."""
+
+
 class InvalidOptionError(GraphoptError, ValueError):
     """An option has a value graphopt does not know (frontend, mode, ...)."""
 
@@ -43,10 +47,19 @@ class CaptureError(GraphoptError):
 class VerificationError(GraphoptError):
     """A pass changed the model's outputs beyond the tolerance for their dtype."""
 
-    def __init__(self, message: str, *, pass_name: str | None = None, max_error: float | None = None) -> None:
+    def __init__(self, message: str, *, pass_name: str | None = None, max_error: float | None = None, reason: str = "") -> None:
         super().__init__(message)
         self.pass_name = pass_name
         self.max_error = max_error
+        self.reason = reason or message  # what failed, without the advice
+
+
+class VerificationWarning(UserWarning):
+    """A pass failed verification and was rolled back; the rest of the optimization stands."""
+
+
+class SideEffectWarning(UserWarning):
+    """forward() has Python side effects (print, writes to objects) that the optimized graph does not run."""
 
 
 class ModeSwitchError(GraphoptError, RuntimeError):

@@ -2,7 +2,10 @@
 
 Presets are explicit ordered lists. After every pass the pipeline lints the graph,
 records which nodes the pass created and erased, and (``verify=True``) runs the graph
-on the example inputs and compares with the original model's outputs; a mismatch
+on the example inputs and compares with the original model's outputs (in training
+mode also the gradients); the final graph is also checked on a second input (another
+batch size, fresh values, other strides). A pass that fails either check is rolled
+back and the others stand (`run_verified`), or, with ``verify="strict"``, the failure
 raises `VerificationError` naming the pass, the error, the output and the rewrites.
 """
 
@@ -11,14 +14,18 @@ from __future__ import annotations
 import copy
 import difflib
 import time
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from graphopt import verify
-from graphopt.errors import GraphoptError, PassModeError, UnknownPassError, VerificationError
+from graphopt.checkpoint import key_map
+from graphopt.errors import GraphoptError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
 from graphopt.passes import REGISTRY, Mode, PassContext, PassInfo, PassResult
 from graphopt.diff import GraphDiff, snapshot
 from graphopt.report import NodeChange, PassReport
@@ -42,7 +49,9 @@ PRESETS: dict[Mode, tuple[str, ...]] = {
 _AFTER_PRECISION = ("to_channels_last", "use_global_pool_kernel", "compute_in_place")
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
-__all__ = ["PRESETS", "PassContext", "PassResult", "list_passes", "low_precision_position", "resolve_passes", "run_passes"]
+__all__ = [
+    "PRESETS", "PassContext", "PassResult", "Verifier", "list_passes", "low_precision_position", "resolve_passes", "run_passes", "run_verified",
+]  # fmt: skip
 
 
 def low_precision_position(names: Sequence[str]) -> int:
@@ -95,49 +104,88 @@ def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) ->
     return gain, f"measured on the example inputs: {before_s * 1e3:.2f} ms without, {after_s * 1e3:.2f} ms with ({gain:.2f}x)"
 
 
+@dataclass
+class Verifier:
+    """Checks a graph against the original: outputs on the example after every pass, the second input at the end.
+
+    In training mode gradients are compared too (which parameters receive them, and, while
+    every pass so far was exact, their values). ``second_each_pass`` also checks the second
+    input after every pass: used to find the pass to blame when the final check fails.
+    """
+
+    example: verify.Check
+    second: verify.Check | None
+    mode: Mode
+    strict: bool = False
+    second_each_pass: bool = False
+    original: Callable[[], nn.Module] | None = None  # a fresh copy of the original model (float64 confirmation)
+
+    def compare(
+        self, gm: fx.GraphModule, check: verify.Check, compute_dtype: torch.dtype | None, removed: set[str]
+    ) -> tuple[verify.Comparison, verify.Comparison | None]:
+        """The graph's error on ``check``: outputs, and in training mode gradients (else None)."""
+        training = self.mode == "training"
+        actual = verify.run_reference(gm, check.args, gradients=training)
+        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype)
+        if not training or check.expected.gradients is None or actual.gradients is None:
+            return outputs, None
+        tolerance = max(verify.tolerance_for(torch.float32), verify.tolerance_for(compute_dtype) if compute_dtype else 0.0)
+        gradients = verify.compare_gradients(check.expected.gradients, actual.gradients, tolerance, removed, values=compute_dtype is None)
+        if self.original is not None:
+            gradients = verify.confirm_gradients(gradients, self.original(), gm, check.args, removed)
+        if compute_dtype is not None and gradients.ok:
+            return outputs, None  # which parameters receive gradients was checked; there is no value error to report
+        return outputs, gradients
+
+
+def _removed_parameters(reports: Iterable[PassReport]) -> set[str]:
+    """The original state keys the passes so far took out of the graph or rewrote (checkpoint.StateChange)."""
+    return set(key_map([change for report in reports for change in report.state_changes]))
+
+
 def _verify(
-    info: PassInfo, gm: fx.GraphModule, ctx: PassContext, expected: Any, report: PassReport, compute_dtype: torch.dtype | None
-) -> verify.Comparison:
-    """The graph's error after ``info`` ran; raises `VerificationError` naming the pass when it is too large."""
+    name: str, gm: fx.GraphModule, verifier: Verifier, check: verify.Check, report: PassReport | None, compute_dtype: torch.dtype | None, removed: set[str]
+) -> tuple[verify.Comparison, verify.Comparison | None]:
+    """The graph's errors on ``check`` after pass ``name`` ("": the whole pipeline); `VerificationError` when too large."""
+    blame = f"pass {name!r}" if name else "the optimized graph"
+    advice = f"Your model is unchanged; run optimize(..., disable=[{name!r}]) to skip this pass, and please report the model." if name else "Your model is unchanged; please report the model."
     try:
-        actual = verify.run_isolated(gm, ctx.example_inputs)
+        comparisons = verifier.compare(gm, check, compute_dtype, removed)
     except Exception as error:
-        raise VerificationError(
-            f"pass {info.name!r} produced a graph that fails on the example inputs ({type(error).__name__}: {error}). "
-            f"Your model is unchanged; run optimize(..., disable=[{info.name!r}]) to skip this pass, and please report the model.",
-            pass_name=info.name,
-        ) from error
-    comparison = verify.compare(expected, actual, compute_dtype)
-    if not comparison.ok:
-        rewrites = "; ".join(f"{r.where}: {r.detail}" for r in report.rewrites[:10]) or "none recorded"
-        raise VerificationError(
-            f"pass {info.name!r} changed {comparison.where} by {comparison.max_error:.3e} relative to the "
-            f"output's scale (tolerance {comparison.tolerance:.0e}; {comparison.detail}). Its rewrites: "
-            f"{rewrites}. Your model is unchanged; run optimize(..., disable=[{info.name!r}]) to skip this "
-            "pass, and please report the model.",
-            pass_name=info.name,
-            max_error=comparison.max_error,
-        )
-    return comparison
+        reason = f"{blame} fails on {check.description} ({type(error).__name__}: {error})."
+        raise VerificationError(f"{reason} {advice}", pass_name=name or None, reason=reason) from error
+    for comparison in filter(None, comparisons):
+        if comparison.ok:
+            continue
+        recorded = "; ".join(f"{r.where}: {r.detail}" for r in report.rewrites[:10]) if report is not None else ""
+        rewrites = f" Its rewrites: {recorded or 'none recorded'}." if report is not None else ""
+        scale = "gradient's" if comparison.where.startswith("gradient") else "output's"
+        size = "" if comparison.max_error == float("inf") else f" by {comparison.max_error:.3e} relative to the {scale} scale (tolerance {comparison.tolerance:.0e})"
+        reason = f"{blame} changed {comparison.where} on {check.description}{size}: {comparison.detail}.{rewrites}"
+        raise VerificationError(f"{reason} {advice}", pass_name=name or None, max_error=comparison.max_error, reason=reason)
+    return comparisons
 
 
 def run_passes(
     gm: fx.GraphModule,
     infos: Sequence[PassInfo],
     ctx: PassContext,
-    expected: Any | None,
+    verifier: Verifier | None,
     capture_error: float = 0.0,
 ) -> tuple[fx.GraphModule, list[PassReport], dict[str, GraphDiff]]:
-    """Run ``infos`` in order on ``gm``; verify against ``expected`` unless it is None.
+    """Run ``infos`` in order on ``gm``, each verified on the example (unless ``verifier`` is None).
 
     ``capture_error`` is the captured graph's error, carried by passes that change nothing.
     With ``ctx.measure``, a `measured` pass that does not make the graph faster is undone.
     Returns the optimized graph module (``gm`` itself unless a pass was undone), the reports
-    and the graph diff of each pass.
+    and the graph diff of each pass. A pass that fails verification raises
+    `VerificationError` naming it (`run_verified` rolls it back); the final check on the
+    second input is `check_second_input`.
     """
-    reports = []
+    reports: list[PassReport] = []
     diffs = {}
     error = capture_error
+    gradient_error = None  # no pass has compared gradients yet
     compute_dtype = None  # set once a pass lowers precision: later checks use its tolerance
     for info in infos:
         before = list(gm.graph.nodes)
@@ -158,21 +206,81 @@ def run_passes(
         report.erased = [before_changes[node] for node in before if node not in after]
         if not info.exact and result.modified:
             compute_dtype = ctx.precision
-        if expected is not None and result.modified:
-            comparison = _verify(info, gm, ctx, expected, report, compute_dtype)
-            report.max_error, report.mean_error = comparison.max_error, comparison.mean_error
-        elif expected is not None:
-            report.max_error = error
+        if verifier is not None and result.modified:
+            removed = _removed_parameters([*reports, report])
+            outputs, gradients = _verify(info.name, gm, verifier, verifier.example, report, compute_dtype, removed)
+            if verifier.second_each_pass and verifier.second is not None:
+                _verify(info.name, gm, verifier, verifier.second, report, compute_dtype, removed)
+            report.max_error, report.mean_error = outputs.max_error, outputs.mean_error
+            report.gradient_error = None if gradients is None else gradients.max_error
+        elif verifier is not None:
+            report.max_error, report.gradient_error = error, gradient_error
         if undo_copy is not None and result.modified:
             gain, figures = _measure(undo_copy, gm, ctx)
             if gain < MIN_MEASURED_GAIN:
                 gm = undo_copy
-                undone = PassReport(info.name, seconds=report.seconds, max_error=error if expected is not None else None)
+                undone = PassReport(info.name, seconds=report.seconds, max_error=error if verifier is not None else None, gradient_error=gradient_error)
                 undone.notes.append(f"{figures}: undone (a measured pass must be {MIN_MEASURED_GAIN:.2f}x faster to stay)")
                 report = undone
             else:
                 report.notes.append(f"{figures}: kept")
         error = report.max_error if report.max_error is not None else error
+        gradient_error = report.gradient_error if report.gradient_error is not None else gradient_error
         reports.append(report)
         diffs[info.name] = GraphDiff(info.name, before_nodes, snapshot(gm.graph), {r.node: r.detail for r in report.rewrites}, report.skips)
     return gm, reports, diffs
+
+
+def check_second_input(
+    gm: fx.GraphModule, verifier: Verifier, reports: Sequence[PassReport], compute_dtype: torch.dtype | None
+) -> tuple[verify.Comparison, verify.Comparison | None] | None:
+    """The final graph's errors on the second input (None when there is none); `VerificationError` when too large."""
+    if verifier.second is None:
+        return None
+    return _verify("", gm, verifier, verifier.second, None, compute_dtype, _removed_parameters(reports))
+
+
+def run_verified(
+    capture: Callable[[], fx.GraphModule],
+    infos: Sequence[PassInfo],
+    ctx: PassContext,
+    verifier: Verifier | None,
+    capture_error: float = 0.0,
+) -> tuple[fx.GraphModule, list[PassReport], dict[str, GraphDiff], tuple[verify.Comparison, verify.Comparison | None] | None]:
+    """`run_passes` on a freshly captured graph, then the second input; a pass that fails either is rolled back.
+
+    A failing pass is left out and the passes run again on a new capture (``capture()``);
+    when only the final check on the second input fails, the run is repeated checking the
+    second input after every pass, to find the pass to blame. Each rolled-back pass keeps
+    a report entry saying why, and a `VerificationWarning` is issued. With
+    ``verifier.strict`` any mismatch raises `VerificationError` instead.
+    Returns the graph, the reports, the diffs and the second input's comparisons (outputs, gradients).
+    """
+    rolled_back: dict[str, str] = {}
+    gm = capture()
+    while True:
+        chosen = [info for info in infos if info.name not in rolled_back]
+        try:
+            gm, reports, diffs = run_passes(gm, chosen, ctx, verifier, capture_error)
+            compute_dtype = ctx.precision if any(not info.exact and report.modified for info, report in zip(chosen, reports, strict=True)) else None
+            second = check_second_input(gm, verifier, reports, compute_dtype) if verifier is not None else None
+            break
+        except VerificationError as error:
+            if verifier is None or verifier.strict or (error.pass_name is None and verifier.second_each_pass):
+                raise
+            if error.pass_name is None:
+                verifier.second_each_pass = True  # find the pass that breaks the second input
+            else:
+                rolled_back[error.pass_name] = error.reason
+                warnings.warn(
+                    f"graphopt rolled back pass {error.pass_name!r}, which failed verification: {error.reason} The other passes "
+                    "stand. Use verify='strict' to make a mismatch an error; please report the model.",
+                    VerificationWarning,
+                    stacklevel=4,
+                )
+            gm = capture()
+    ran = dict(zip((info.name for info in chosen), reports, strict=True))
+    for name in rolled_back:
+        diffs[name] = GraphDiff(name, snapshot(gm.graph), snapshot(gm.graph), {}, [])
+    reports = [ran[info.name] if info.name in ran else PassReport(info.name, rolled_back=rolled_back[info.name]) for info in infos]
+    return gm, reports, diffs, second

@@ -82,8 +82,10 @@ class PassReport:
     state_changes: list[StateChange] = field(default_factory=list)  # stored tensors removed or rewritten (graphopt.checkpoint)
     modified: bool = False
     max_error: float | None = None  # error vs the original model after this pass (None: not verified)
+    gradient_error: float | None = None  # training: the largest gradient error, relative to its scale (None: not compared)
     mean_error: float | None = None  # mean error over the worst output, when this pass was verified
     seconds: float = 0.0
+    rolled_back: str = ""  # why: the pass failed verification and the graph is as if it had not run
 
     def rewrite(self, node: fx.Node, detail: str) -> None:
         self.rewrites.append(Rewrite(describe(node), detail, node.name))
@@ -177,6 +179,10 @@ class Report:
     passes: list[PassReport] = field(default_factory=list)
     verified: bool = True
     tolerance: float | None = None
+    second_input: str = ""  # how the second input the final graph was verified on differs from the example ("": none)
+    second_input_error: float | None = None  # the final graph's error on it
+    second_input_gradient_error: float | None = None  # training: the final graph's gradient error on it
+    warnings: list[str] = field(default_factory=list)  # what the user must know: rolled-back passes, side effects, unverifiable outputs
     capture_seconds: float = 0.0
     fusion: FusionReport | None = None  # optimize(fuse=...): what the fusion backend compiled
     tune: TuneReport | None = None  # optimize(tune=True): every candidate measured, and the winner
@@ -219,23 +225,38 @@ class Report:
         if failed:
             parts[-1] += f" ({'; '.join(failed)})"
         parts.append(f"verify: {'on' if self.verified else 'off'}" + (f", tolerance {self.tolerance:.0e}" if self.verified and self.tolerance else ""))
-        return "graphopt report: " + ", ".join(parts)
+        header = "graphopt report: " + ", ".join(parts)
+        if self.verified and self.second_input:
+            error = "" if self.second_input_error is None else f": max error {self.second_input_error:.1e}"
+            if self.second_input_gradient_error is not None:
+                error += f", gradient error {self.second_input_gradient_error:.1e}"
+            header += f"\nsecond input: {self.second_input}{error}"
+        return header
 
-    def _rows(self) -> list[tuple[str, str, str, str, str, str]]:
+    def _columns(self) -> tuple[str, ...]:
+        gradients = any(p.gradient_error is not None for p in self.passes)
+        return ("pass", "rewrites", "skips", "nodes -/+", "max error", *(("grad error",) if gradients else ()), "time")
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        gradients = "grad error" in self._columns()
         rows = []
         for p in self.passes:
-            error = "-" if p.max_error is None else f"{p.max_error:.1e}"
-            rows.append((p.name, str(len(p.rewrites)), str(len(p.skips)), f"-{len(p.erased)}/+{len(p.created)}", error, f"{p.seconds:.3f}s"))
+            error = "rolled back" if p.rolled_back else "-" if p.max_error is None else f"{p.max_error:.1e}"
+            gradient = ("-" if p.rolled_back or p.gradient_error is None else f"{p.gradient_error:.1e}",) if gradients else ()
+            rows.append((p.name, str(len(p.rewrites)), str(len(p.skips)), f"-{len(p.erased)}/+{len(p.created)}", error, *gradient, f"{p.seconds:.3f}s"))
         return rows
 
     def __str__(self) -> str:
-        header = ("pass", "rewrites", "skips", "nodes -/+", "max error", "time")
+        header = self._columns()
         rows = self._rows()
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [self._header(), *self.notes, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        warned = [f"warning: {warning}" for warning in self.warnings]
+        lines = [self._header(), *warned, *self.notes, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         for p, row in zip(self.passes, rows, strict=True):
             lines.append(fmt.format(*row))
+            if p.rolled_back:
+                lines.append(f"    rolled back: {p.rolled_back}")
             lines += [f"    {note}" for note in p.notes]
             lines += [f"    skipped {s.where}: {s.reason}" for s in p.skips]
         if not self.passes:
@@ -248,15 +269,19 @@ class Report:
 
     def _repr_html_(self) -> str:
         esc = html.escape
-        head = "".join(f"<th>{h}</th>" for h in ("pass", "rewrites", "skips", "nodes -/+", "max error", "time"))
+        columns = self._columns()
+        head = "".join(f"<th>{h}</th>" for h in columns)
         body = []
         for p, row in zip(self.passes, self._rows(), strict=True):
             body.append("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>")
-            body += [f'<tr><td colspan="6">{esc(note)}</td></tr>' for note in p.notes]
+            if p.rolled_back:
+                body.append(f'<tr><td colspan="{len(columns)}"><b>rolled back</b>: {esc(p.rolled_back)}</td></tr>')
+            body += [f'<tr><td colspan="{len(columns)}">{esc(note)}</td></tr>' for note in p.notes]
             if p.skips:
                 items = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in p.skips)
-                body.append(f'<tr><td colspan="6"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')
-        notes = "".join(f"<p>{esc(n)}</p>" for n in self.notes)
+                body.append(f'<tr><td colspan="{len(columns)}"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')
+        notes = "".join(f"<p><b>warning</b>: {esc(w)}</p>" for w in self.warnings) + "".join(f"<p>{esc(n)}</p>" for n in self.notes)
         extra = [part.lines() for part in (self.fusion, self.tune) if part is not None]
         fusion = "".join(f"<pre>{esc(chr(10).join(lines))}</pre>" for lines in extra)
-        return f"<div><p><b>{esc(self._header())}</b></p>{notes}<table><tr>{head}</tr>{''.join(body)}</table>{fusion}</div>"
+        header = "<br>".join(esc(line) for line in self._header().splitlines())
+        return f"<div><p><b>{header}</b></p>{notes}<table><tr>{head}</tr>{''.join(body)}</table>{fusion}</div>"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError
+from graphopt.inputs import OtherInputs, other_inputs
 
 
 def describe_inputs(args: tuple[Any, ...]) -> str:
@@ -28,6 +30,14 @@ def check_model(model: Any) -> None:
         raise InvalidModelError(
             f"expected a torch.nn.Module to optimize, got {type(model).__name__}; "
             "wrap a plain function in an nn.Module whose forward() calls it"
+        )
+    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        raise InvalidModelError(
+            f"{type(model).__name__}'s {', '.join(empty[:3])}{' and others' if len(empty) > 3 else ''} are on the meta device: "
+            "they have shapes but no values, so there is nothing to run or verify (the model was built under "
+            "torch.device('meta') or with empty weights). Give it real weights first, e.g. model.to_empty(device='cpu') "
+            "then model.load_state_dict(checkpoint)."
         )
 
 
@@ -63,14 +73,14 @@ def check_inputs(model: nn.Module, example_inputs: Any, device: torch.device | N
     return args
 
 
-def reference_run(model: nn.Module, args: tuple[Any, ...]) -> verify.Reference:
-    """Eager outputs and state updates of ``model`` on ``args``.
+def reference_run(model: nn.Module, args: tuple[Any, ...], gradients: bool = False) -> verify.Reference:
+    """Eager outputs and state updates (with ``gradients``, also gradients) of ``model`` on ``args``.
 
     Raises `InvalidInputsError` when the model rejects the inputs, or when its outputs hold
     NaN (or no finite value at all): nothing could then be verified against them.
     """
     try:
-        reference = verify.run_reference(model, args)
+        reference = verify.run_reference(model, args, gradients=gradients)
     except Exception as error:
         dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
         input_dtypes = {leaf.dtype for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
@@ -83,12 +93,64 @@ def reference_run(model: nn.Module, args: tuple[Any, ...]) -> verify.Reference:
             f"{describe_inputs(args)}: {message}.{hint} Pass example inputs that model(*example_inputs) accepts "
             "(check the number of arguments, shapes, dtypes and device)."
         ) from error
-    for path, leaf in pytree.tree_flatten_with_path(reference.outputs)[0]:
+    if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(reference.outputs)):
+        raise InvalidModelError(
+            f"{type(model).__name__}.forward() returned {_kind(reference.outputs)} on the example inputs, with no tensor in it: "
+            "an optimized graph would compute nothing, and nothing could be verified. Optimize a module whose forward() "
+            "returns the tensors it computes."
+        )
+    unusable = _unusable_output(reference.outputs)
+    if unusable is not None:
+        raise InvalidInputsError(
+            f"{type(model).__name__}'s {unusable} on the example inputs {describe_inputs(args)} "
+            "holds NaN or no finite value: graphopt could not tell a correct rewrite from a wrong one. "
+            "Pass example inputs for which the model's outputs are finite numbers."
+        )
+    return reference
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _unusable_output(outputs: Any) -> str | None:
+    """The first floating-point output holding NaN or no finite value, e.g. "output[0]"; None when all are usable."""
+    for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
             if torch.isnan(leaf).any() or not torch.isfinite(leaf).any():
-                raise InvalidInputsError(
-                    f"{type(model).__name__}'s output{pytree.keystr(path)} on the example inputs {describe_inputs(args)} "
-                    "holds NaN or no finite value: graphopt could not tell a correct rewrite from a wrong one. "
-                    "Pass example inputs for which the model's outputs are finite numbers."
-                )
-    return reference
+                return f"output{pytree.keystr(path)}"
+    return None
+
+
+class SecondInputs:
+    """Second inputs the eager model accepts with usable outputs, most different from the example first.
+
+    Candidates come from `graphopt.inputs.other_inputs`; each is run eagerly the first time
+    it is asked for (a graph that accepts the first needs no more), and kept.
+    """
+
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], vary_batch: bool, gradients: bool) -> None:
+        self.model, self.gradients = model, gradients
+        self.candidates = other_inputs(args, vary_batch)
+        self.checks: dict[int, verify.Check | None] = {}
+        self.refused: list[str] = []  # why the eager model refused candidates
+
+    def __iter__(self) -> Iterator[verify.Check]:
+        for index, candidate in enumerate(self.candidates):
+            if index not in self.checks:
+                self.checks[index] = self._run(candidate)
+            check = self.checks[index]
+            if check is not None:
+                yield check
+
+    def _run(self, candidate: OtherInputs) -> verify.Check | None:
+        try:
+            reference = verify.run_reference(self.model, candidate.args, gradients=self.gradients)
+        except Exception as error:
+            self.refused.append(f"{candidate.description}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+            return None
+        unusable = _unusable_output(reference.outputs)
+        if unusable is not None:
+            self.refused.append(f"{candidate.description}: the model's {unusable} holds NaN or no finite value")
+            return None
+        return verify.Check(candidate.args, reference, f"a second input ({candidate.description})", candidate.batch)

@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 import graphopt
+from graphopt.inputs import other_inputs
 from graphopt.passes import PassContext
+from graphopt.verify import compare_gradients, confirm_gradients, run_reference
 
 FRONTENDS = ("fx", "export")
 
@@ -88,16 +91,66 @@ class ShapeBranch(nn.Module):
         return y
 
 
-def assert_trains_like(model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...]) -> None:
-    """Forward (same dropout masks) and the gradient of every parameter ``optimized`` kept match a copy of ``model``."""
-    reference = copy.deepcopy(model)
-    torch.manual_seed(3)
-    expected = reference(*inputs)
-    torch.manual_seed(3)
-    actual = optimized(*inputs)
-    assert relative_error(expected, actual) < 1e-5
-    expected.square().mean().backward()
-    actual.square().mean().backward()
-    reference_grads = dict(reference.named_parameters())
-    for name, parameter in optimized.named_parameters():
-        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, rtol=1e-3, atol=1e-5)
+def second_inputs(model: nn.Module, inputs: tuple[Any, ...], vary_batch: bool = True) -> tuple[Any, ...]:
+    """An input unlike ``inputs`` that ``model`` accepts: another batch size, fresh values, other strides where it can.
+
+    The candidates are graphopt's own (`graphopt.inputs.other_inputs`), most different
+    first; the first one the eager model runs on is returned.
+    """
+    reasons = []
+    for candidate in other_inputs(inputs, vary_batch):
+        try:
+            with torch.no_grad():
+                copy.deepcopy(model)(*candidate.args)
+        except Exception as error:
+            reasons.append(f"{candidate.description}: {error}")
+            continue
+        return candidate.args
+    raise AssertionError(f"the model accepts no second input: {reasons}")
+
+
+def _outputs(result: Any) -> list[Any]:
+    return [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+
+
+def assert_same_outputs(model: nn.Module, optimized: Any, inputs: tuple[Any, ...], tolerance: float = 1e-5, vary_batch: bool = True) -> None:
+    """``optimized`` computes what ``model`` does on ``inputs`` and on a second input (`second_inputs`).
+
+    Errors are relative to each output's scale (``tolerance=0``: bit for bit); ``model`` runs
+    first, on a copy (its buffers stay as they are), so an ``optimized`` that writes into its
+    inputs shows as a wrong output.
+    """
+    for args in (inputs, second_inputs(model, inputs, vary_batch)):
+        with torch.no_grad():
+            torch.manual_seed(3)
+            expected = _outputs(copy.deepcopy(model)(*args))
+            torch.manual_seed(3)
+            actual = _outputs(optimized(*args))
+        assert len(expected) == len(actual)
+        for want, got in zip(expected, actual, strict=True):
+            assert got.shape == want.shape and got.dtype == want.dtype, f"{tuple(got.shape)} {got.dtype} instead of {tuple(want.shape)} {want.dtype}"
+            if want.is_floating_point() and tolerance > 0:
+                assert relative_error(want.float(), got.float()) < tolerance, f"on {'the example' if args is inputs else 'a second input'}"
+            else:
+                assert torch.equal(want, got), f"not exactly equal on {'the example' if args is inputs else 'a second input'}"
+
+
+def assert_trains_like(model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...], tolerance: float = 1e-5, vary_batch: bool = True) -> None:
+    """Forward (same dropout masks) and the gradients of a random projection of the outputs match a copy of ``model``.
+
+    Checked on ``inputs`` and on a second input (`second_inputs`). The same parameters
+    must receive gradients, except those ``optimized`` no longer has (a pass removed
+    them, e.g. a dropped conv bias). Gradients are compared with graphopt's own rule
+    (`graphopt.verify.compare_gradients`: each at its scale, floored at 1% of the largest;
+    a float32 mismatch must persist in float64, `graphopt.verify.confirm_gradients`).
+    """
+    for args in (inputs, second_inputs(model, inputs, vary_batch)):
+        reference = copy.deepcopy(model)
+        expected = run_reference(reference, args, gradients=True)
+        actual = run_reference(optimized, args, gradients=True)
+        for want, got in zip(_outputs(expected.outputs), _outputs(actual.outputs), strict=True):
+            assert relative_error(want, got) < tolerance
+        assert expected.gradients is not None and actual.gradients is not None
+        removed = set(expected.gradients) - set(actual.gradients)
+        comparison = confirm_gradients(compare_gradients(expected.gradients, actual.gradients, tolerance, removed), model, optimized, args, removed)
+        assert comparison.ok, f"{comparison.where}: {comparison.detail} (error {comparison.max_error:.2e})"

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt.capture import capture_graph
-from graphopt.verify import Reference, run_reference
+from graphopt.verify import Check, Reference, run_reference
 from tests.conftest import ShapeBranch
 
 
@@ -44,7 +44,7 @@ def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     assert gm.meta["graphopt_frontend"] == "export"
     torch.testing.assert_close(gm(x), model(x))
 
-    captured = capture_graph(model, (x,), run_reference(model, (x,)))
+    captured = capture_graph(model, Check((x,), run_reference(model, (x,)), "the example inputs"))
     assert captured.frontend == "export"
     assert "control flow" in captured.attempts["fx"]
 
@@ -70,13 +70,13 @@ def test_graph_that_computes_something_else_is_rejected(monkeypatch: pytest.Monk
     x = torch.randn(2, 3)
     wrong = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3)))
 
-    def wrong_tracer(model: nn.Module, args: tuple, dynamic_batch: bool):
+    def wrong_tracer(model: nn.Module, args: tuple, dynamic_batch: bool, gradients: bool):
         return wrong, Reference(wrong(*args), {}), []
 
     # graphopt.capture is also the public function; reach the module itself
     capture_module = importlib.import_module("graphopt.capture")
     monkeypatch.setitem(capture_module._TRACERS, "fx", wrong_tracer)
-    captured = capture_graph(model, (x,), run_reference(model, (x,)))
+    captured = capture_graph(model, Check((x,), run_reference(model, (x,)), "the example inputs"))
     assert captured.frontend == "export"
     assert "computes something else than eager" in captured.attempts["fx"]
 
@@ -96,7 +96,7 @@ class CountsCalls(nn.Module):
 def test_graph_that_drops_a_state_update_is_rejected() -> None:
     model = CountsCalls()
     x = torch.randn(2, 3)
-    captured = capture_graph(model, (x,), run_reference(model, (x,)))
+    captured = capture_graph(model, Check((x,), run_reference(model, (x,)), "the example inputs"))
     assert captured.frontend == "export"
     assert "does not update buffer['calls']" in captured.attempts["fx"]
     assert int(model.calls) == 0, "neither tracing nor checking advanced the state"
@@ -123,7 +123,7 @@ def test_export_static_batch_when_asked() -> None:
 def test_batch_of_one_is_reported_as_fixed() -> None:
     model = nn.Linear(3, 2).eval()
     x = torch.randn(1, 3)
-    captured = capture_graph(model, (x,), run_reference(model, (x,)), "export")
+    captured = capture_graph(model, Check((x,), run_reference(model, (x,)), "the example inputs"), "export")
     assert any("batch of 2 or more" in note for note in captured.notes)
 
 

@@ -154,6 +154,18 @@ def test_optimize_without_verification(capsys: pytest.CaptureFixture[str]) -> No
     assert table_rows(out)["fold_conv_bn"][3] == "-"  # max error column: not measured
 
 
+def test_optimize_with_strict_verification_fails_on_a_mismatch(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphopt.errors import VerificationError
+
+    def refuse(*args, **kwargs):
+        assert kwargs["verify"] == "strict"
+        raise VerificationError("pass 'x' changed output")
+
+    monkeypatch.setattr("graphopt.cli.optimize", refuse)
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--strict-verify")
+    assert code != 0 and "pass 'x' changed output" in err
+
+
 def test_optimize_with_the_export_frontend(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--frontend", "export", "--passes", "fold_conv_bn")
     assert code == 0, err

@@ -114,8 +114,10 @@ def test_model_that_cannot_be_copied() -> None:
 def test_every_error_is_a_graphopt_error() -> None:
     for name in graphopt.__all__:
         value = getattr(graphopt, name)
-        if isinstance(value, type) and issubclass(value, Exception):
-            assert issubclass(value, graphopt.GraphoptError)
+        if isinstance(value, type) and issubclass(value, Warning):
+            assert issubclass(value, UserWarning), name  # shown by default, filterable by class
+        elif isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, graphopt.GraphoptError), name
 
 
 def test_disable_must_be_a_list_too() -> None:

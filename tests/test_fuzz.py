@@ -3,8 +3,10 @@
 A Hypothesis strategy draws a list of op descriptors (pure data, so a failing example prints
 as a readable spec); `FuzzModel` builds the modules for them and its forward interprets the
 static list (no control flow on tensor values, so fx unrolls the loop). For each mode preset
-and frontend, `optimize` must either return a module whose outputs match the original's, or
-raise a `GraphoptError`; and it must never modify the original model.
+and frontend, `optimize` must either return a module whose outputs (in training mode also
+the gradients of a random projection of them) match the original's, on the example and on
+a call with another batch size, fresh values and other strides, or raise a `GraphoptError`;
+and it must never modify the original model.
 
 The default run is bounded (GRAPHOPT_FUZZ_EXAMPLES, default 25); `make fuzz` runs 500.
 """
@@ -23,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphopt
+from graphopt.verify import compare_gradients, confirm_gradients, run_reference
 
 MAX_EXAMPLES = int(os.environ.get("GRAPHOPT_FUZZ_EXAMPLES", "25"))
 MODES = ("inference", "training")
@@ -242,6 +245,9 @@ def model_specs(draw: st.DrawFn) -> dict[str, Any]:
         "seed": draw(st.integers(0, 2**16)),
         "memory_format": draw(st.sampled_from(["preserve", "channels_last"])),
         "precision": draw(st.sampled_from(["fp32", "fp32", "fp32", "bf16"])),
+        # the call after optimize: another batch size, and other strides
+        "other_batch": draw(st.sampled_from([b for b in range(1, 5) if b != batch])),
+        "other_strided": draw(st.booleans()),
     }
 
 
@@ -273,8 +279,52 @@ def _assert_unchanged(model: nn.Module, snapshot: tuple[dict[str, torch.Tensor],
     assert [module.training for module in model.modules()] == flags, "optimize changed a .training flag"
 
 
-def check_optimize(model: nn.Module, x: torch.Tensor, mode: str, frontend: str, memory_format: str, precision: str) -> None:
-    """optimize either returns a module matching ``model`` or raises GraphoptError; ``model`` is untouched."""
+def other_call(x: torch.Tensor, batch: int, strided: bool, seed: int) -> torch.Tensor:
+    """A call unlike the example: ``batch`` rows of fresh values, channels_last (4-D/5-D) or transposed storage when ``strided``."""
+    values = torch.randn((batch, *x.shape[1:]), generator=torch.Generator().manual_seed(seed))
+    if not strided or x.dim() < 3:
+        return values
+    if x.dim() in (4, 5):
+        return values.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    return values.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _compare(reference: nn.Module, fast: nn.Module, x: torch.Tensor, mode: str, precision: str, where: str) -> None:
+    """Outputs, and in training the gradients of a random projection of them, on ``x``; ``reference`` runs on a copy."""
+    training = mode == "training"
+    expected = run_reference(copy.deepcopy(reference), (x,), gradients=training)
+    actual = run_reference(fast, (x,), gradients=training)
+    want, got = _outputs(expected.outputs), _outputs(actual.outputs)
+    assert len(got) == len(want)
+    if precision == "bf16":
+        # bf16's error depends on the values (a training BatchNorm over a narrow batch amplifies it):
+        # the yardstick is torch.autocast's on the same input, which graphopt's casts match
+        autocast = copy.deepcopy(reference)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_outputs = _outputs(run_reference(autocast, (x,)).outputs)
+    for i, (e, a) in enumerate(zip(want, got)):
+        assert a.shape == e.shape and a.dtype == e.dtype, f"{where}, output {i}: {a.shape}/{a.dtype} != {e.shape}/{e.dtype}"
+        error = _relative_error(e, a)
+        bound = TOLERANCE[precision] if precision == "fp32" else max(TOLERANCE[precision], 1.5 * _relative_error(e, autocast_outputs[i]))
+        assert error < bound, f"{where}, output {i}: relative error {error:.3e} ({mode})"
+    if training:
+        assert expected.gradients is not None and actual.gradients is not None
+        removed = set(expected.gradients) - set(actual.gradients)
+        # bf16 gradients approximate fp32 ones (tens of percents apart after a BatchNorm): which parameters get one is checked
+        comparison = compare_gradients(expected.gradients, actual.gradients, TOLERANCE["fp32"], removed, values=precision == "fp32")
+        comparison = confirm_gradients(comparison, reference, fast, (x,), removed)
+        assert comparison.ok, f"{where}: {comparison.where} {comparison.detail} (error {comparison.max_error:.2e})"
+
+
+def check_optimize(
+    model: nn.Module, x: torch.Tensor, mode: str, frontend: str, memory_format: str, precision: str, other: torch.Tensor | None = None
+) -> None:
+    """optimize either returns a module matching ``model`` or raises GraphoptError; ``model`` is untouched.
+
+    The optimized module is checked on ``x`` and on ``other`` (another batch size, fresh
+    values, other strides): it must match there too, or refuse the call with
+    `InputMismatchError` when its report says it was verified at the example's batch size only.
+    """
     model.train(mode == "training")
     reference = copy.deepcopy(model)  # train-mode forwards update BatchNorm statistics
     before = _snapshot(model)
@@ -286,21 +336,25 @@ def check_optimize(model: nn.Module, x: torch.Tensor, mode: str, frontend: str, 
         _assert_unchanged(model, before)
         return
     _assert_unchanged(model, before)
-    torch.manual_seed(1234)
-    expected = _outputs(reference(x))
-    torch.manual_seed(1234)
-    actual = _outputs(fast(x))
-    assert len(actual) == len(expected)
-    for i, (e, a) in enumerate(zip(expected, actual)):
-        assert a.shape == e.shape and a.dtype == e.dtype, f"output {i}: {a.shape}/{a.dtype} != {e.shape}/{e.dtype}"
-        error = _relative_error(e, a)
-        assert error < TOLERANCE[precision], f"output {i}: relative error {error:.3e} ({mode}, {frontend})"
+    _compare(reference, fast, x, mode, precision, "example")
+    if other is None:
+        return
+    try:
+        with torch.no_grad():
+            copy.deepcopy(reference)(other)
+    except Exception:
+        return  # the model itself refuses this call (e.g. a training BatchNorm over one value per channel)
+    try:
+        _compare(reference, fast, other, mode, precision, f"other call {tuple(other.shape)} {other.stride()}")
+    except graphopt.InputMismatchError:
+        assert other.shape[0] != x.shape[0] and not fast.graphopt_report.second_input.startswith("batch"), "refused a verified batch size"
 
 
 def _run(spec: dict[str, Any], mode: str, frontend: str) -> None:
     model = FuzzModel(spec["ops"], spec["extra_output"], spec["seed"])
     x = torch.randn(spec["input_shape"], generator=torch.Generator().manual_seed(spec["seed"] + 1))
-    check_optimize(model, x, mode, frontend, spec["memory_format"], spec["precision"])
+    other = other_call(x, spec["other_batch"], spec["other_strided"], spec["seed"] + 2)
+    check_optimize(model, x, mode, frontend, spec["memory_format"], spec["precision"], other)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from graphopt.passes import REGISTRY, PassContext, PassInfo, PassResult
 from graphopt.passes.base import finish
 from graphopt.pipeline import PRESETS, resolve_passes
 from graphopt.report import PassReport
+from tests.conftest import FRONTENDS, assert_same_outputs
 
 
 def corrupt_adds(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -58,18 +59,70 @@ def test_presets_are_ordered_and_resolved() -> None:
     assert [p.name for p in explicit] == ["fold_conv_bn", "remove_dropout"]
 
 
-def test_wrong_pass_raises_verification_error_and_leaves_model_alone(registered) -> None:
+def test_wrong_pass_raises_verification_error_when_strict_and_leaves_model_alone(registered) -> None:
     registered(corrupt_adds, "corrupt_adds")
     model = Residual().eval()
     weight = model.linear.weight.detach().clone()
     with pytest.raises(graphopt.VerificationError) as info:
-        graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds"])
+        graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds"], verify="strict")
     error = info.value
     assert error.pass_name == "corrupt_adds" and error.max_error > 1e-3
     message = str(error)
     assert "pass 'corrupt_adds' changed output" in message
     assert "add -> sub" in message and "disable=['corrupt_adds']" in message
     assert torch.equal(model.linear.weight, weight)
+
+
+def test_wrong_pass_is_rolled_back_loudly_and_the_others_stand(registered) -> None:
+    registered(corrupt_adds, "corrupt_adds")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), Residual()).eval()
+    with pytest.warns(graphopt.VerificationWarning, match="rolled back pass 'corrupt_adds'.*add -> sub.*verify='strict'"):
+        optimized = graphopt.optimize(model, torch.randn(3, 3, 6, 6), passes=["fold_conv_bn", "corrupt_adds"])
+    report = optimized.graphopt_report
+    assert report["fold_conv_bn"].rewrites and not report["fold_conv_bn"].rolled_back
+    assert "changed output on the example inputs" in report["corrupt_adds"].rolled_back
+    assert any("'corrupt_adds' was rolled back" in warning for warning in report.warnings)
+    assert "rolled back" in str(report)
+    assert not any(node.target is operator.sub for node in optimized.graph.nodes)
+    assert_same_outputs(model, optimized, (torch.randn(3, 3, 6, 6),))
+
+
+def corrupt_adds_on_other_batches(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """A pass that decides from the example: right at its batch size, wrong at any other."""
+    report = PassReport("corrupt_adds_on_other_batches")
+    batch = ctx.example_inputs[0].shape[0]
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (operator.add, torch.add, torch.ops.aten.add.Tensor):
+            with gm.graph.inserting_after(node):
+                wrong = gm.graph.call_function(_add_if_batch, (*node.args, batch))
+            node.replace_all_uses_with(wrong)
+            wrong.args = (*node.args, batch)
+            report.rewrite(node, "add decided from the example's batch size")
+    return finish(gm, bool(report.rewrites), report)
+
+
+def _add_if_batch(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
+    return a + b if a.shape[0] == batch else a - b
+
+
+torch.fx.wrap("_add_if_batch")
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_pass_right_only_on_the_example_is_caught_by_the_second_input(registered, frontend: str) -> None:
+    registered(corrupt_adds_on_other_batches, "corrupt_adds_on_other_batches")
+    model = Residual().eval()
+    with pytest.raises(graphopt.VerificationError, match="the optimized graph changed output on a second input \\(batch 4"):
+        graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds_on_other_batches"], frontend=frontend, verify="strict")
+    with pytest.warns(graphopt.VerificationWarning, match="rolled back pass 'corrupt_adds_on_other_batches'.*second input"):
+        optimized = graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds_on_other_batches"], frontend=frontend)
+    assert optimized.graphopt_report["corrupt_adds_on_other_batches"].rolled_back
+    assert_same_outputs(model, optimized, (torch.randn(3, 4),))
+
+
+def test_verify_option_is_checked() -> None:
+    with pytest.raises(graphopt.InvalidOptionError, match="verify='yes'.*'strict'"):
+        graphopt.optimize(Residual().eval(), torch.randn(3, 4), verify="yes")
 
 
 def test_wrong_pass_goes_unnoticed_only_without_verify(registered) -> None:

@@ -18,6 +18,10 @@ padding, concatenation, residual adds, interpolation). The pass:
    the others copy silently), and before each output that would otherwise leave the
    model in channels_last (unless ``keep_channels_last_outputs``).
 
+A graph with an active element-wise dropout of a 4-D/5-D tensor (training) is left as it
+is: dropout draws its mask in memory order, so in channels_last the same seed would drop
+other elements than the original did, as random but not the same result.
+
 A ``(N, C, 1, 1)`` tensor is both contiguous and channels_last, so the usual
 pool -> flatten -> linear head needs no conversion: a ResNet needs one conversion in
 and none out. The report counts the conversions and lists the 4-D/5-D ops left in
@@ -36,7 +40,9 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.ops import WeightedOpView, get_attr, insert_reader, interpreter_inputs, is_permute, is_reshape, layout_of, weighted_op_view
+from graphopt.ops import (
+    WeightedOpView, dropout_view, get_attr, insert_reader, interpreter_inputs, is_permute, is_reshape, layout_of, tensor_meta, weighted_op_view,
+)
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -111,9 +117,31 @@ def _cast_stored_weight(gm: fx.GraphModule, conv: WeightedOpView) -> torch.Tenso
     return value if isinstance(value, torch.Tensor) and value.dim() == conv.spatial_dims + 2 else None
 
 
+# dropouts that draw one number per channel (a (N, C, 1, 1) mask): the same in any layout
+_PER_CHANNEL_DROPOUTS = {"Dropout1d", "Dropout2d", "Dropout3d", "FeatureAlphaDropout", "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "feature_dropout"}
+
+
+def _draws_in_memory_order(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is an active element-wise dropout of a tensor that could be in channels_last."""
+    dropout = dropout_view(gm, node)
+    if dropout is None or not dropout.active or dropout.kind.removeprefix("aten.").split(".")[0] in _PER_CHANNEL_DROPOUTS:
+        return False
+    meta = tensor_meta(dropout.input) if isinstance(dropout.input, fx.Node) else None
+    return meta is None or len(meta[0]) in _CHANNELS_LAST
+
+
 def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it."""
     report = PassReport("to_channels_last")
+    random_order = [node for node in gm.graph.nodes if _draws_in_memory_order(gm, node)]
+    if random_order:
+        for node in random_order:
+            report.skip(
+                node,
+                "active dropout of a 4-D/5-D tensor draws its mask in memory order: in channels_last the same seed "
+                "would drop other elements than the original, which no check can tell from a wrong result",
+            )
+        return finish(gm, False, report)
     conv_ranks: dict[fx.Node, int] = {}
     converted_weights: set[int] = set()
     for node in gm.graph.nodes:

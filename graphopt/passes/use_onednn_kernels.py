@@ -184,6 +184,10 @@ class OneDNNLinear(_Prepacked):
         if other is None:
             attr, _, algorithm = self.post_op
             return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, self.scalars, algorithm)
+        if other.shape[:-1] != x.shape[:-1]:
+            # the add broadcasts `other` (a (1, tokens, dim) table fitted a batch of 1 when this was planned):
+            # the fused kernel adds same-shape tensors only, so add after the kernel
+            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "") + other
         return mkldnn._linear_pointwise.binary(x, other, self.packed_weight, self.bias, "add")
 
     def extra_repr(self) -> str:

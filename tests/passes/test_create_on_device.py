@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from graphopt.ops import factory_view, transfer_view
 from graphopt.passes.create_on_device import create_on_device
-from tests.conftest import FRONTENDS, captured, context
+from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
 
 
 def moves(gm) -> list:
@@ -43,27 +43,25 @@ class Filled(nn.Module):
 
 def test_factories_on_the_cpu_are_created_with_the_move_arguments_export() -> None:
     model, x = Filled(), torch.randn(2, 4)
-    expected = model(x)
     gm = captured(model, (x,), "export")
     report = create_on_device(gm, context((x,))).report
     created = {r.node for r in report.rewrites}
     assert created == {"zeros", "full", "ones_like", "new_ones", "arange"}, report
     assert factories(gm)["full"]["dtype"] == torch.float32 and factories(gm)["ones_like"]["dtype"] == torch.float32
     assert len(moves(gm)) == 1  # eye()[:2] is sliced before its move: not a factory's own move
-    torch.testing.assert_close(gm(x), expected, rtol=0, atol=0)
+    assert_same_outputs(model, gm, (x,), tolerance=0)
 
 
 def test_like_factories_take_the_device_read_at_run_time_fx() -> None:
     model, x = Filled(), torch.randn(2, 4)
-    expected = model(x)
     gm = captured(model, (x,), "fx")
     report = create_on_device(gm, context((x,))).report
     assert {"ones_like", "new_ones"} <= {r.node for r in report.rewrites}
     kwargs = factories(gm)
     assert kwargs["new_ones"]["device"].target is getattr and kwargs["new_ones"]["device"].args == (gm.graph.find_nodes(op="placeholder")[0], "device")
     assert kwargs["ones_like"]["dtype"].args[1] == "dtype"  # .to(x): x's dtype, read at run time
-    torch.testing.assert_close(gm(x), expected, rtol=0, atol=0)
-    torch.testing.assert_close(gm(x.double()), model(x.double()), rtol=0, atol=0)  # still follows the input
+    assert_same_outputs(model, gm, (x,), tolerance=0)
+    assert_same_outputs(model, gm, (x.double(),), tolerance=0)  # still follows the input's dtype
 
 
 def test_factories_created_on_the_cpu_are_created_on_the_target_device() -> None:
@@ -92,7 +90,7 @@ def test_a_moved_constant_is_stored_in_the_dtype_it_is_used_in(frontend: str) ->
     assert [t.dtype for t in constants if isinstance(t, torch.Tensor)] == [torch.float32]
     # export names the dtype in the graph: the move goes; fx reads it from x at run time: the no-op move stays
     assert len(moves(gm)) == (1 if frontend == "fx" else 0)
-    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert_same_outputs(model, gm, (x,), tolerance=0)
 
 
 def test_a_moved_export_constant_is_stored_on_the_target_device() -> None:
@@ -140,7 +138,7 @@ def test_guard_arange_cast_to_a_dtype_that_rounds() -> None:
     report = create_on_device(gm, context((x,))).report
     assert [r.node for r in report.rewrites] == ["arange_1"]  # integer arange(4): exact in float32
     assert "may round differently" in report.skips[0].reason
-    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert_same_outputs(model, gm, (x,), tolerance=0)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -154,7 +152,7 @@ def test_guard_created_tensor_also_used_before_the_move(frontend: str) -> None:
     gm = captured(model, (x,), frontend)
     report = create_on_device(gm, context((x,))).report
     assert report.rewrites == [] and "also used before the move" in report.skips[0].reason
-    torch.testing.assert_close(gm(x), model(x))
+    assert_same_outputs(model, gm, (x,))
 
 
 def test_guard_move_that_changes_the_memory_format() -> None:
@@ -194,7 +192,7 @@ def test_guard_constant_read_elsewhere() -> None:
     gm = captured(model, (x,), "fx")
     report = create_on_device(gm, context((x,))).report
     assert report.rewrites == [] and "also" in report.skips[0].reason
-    torch.testing.assert_close(gm(x), model(x))
+    assert_same_outputs(model, gm, (x,))
 
 
 def test_nothing_to_do_leaves_the_graph_alone() -> None:
@@ -212,4 +210,4 @@ def test_factories_are_created_on_the_gpu() -> None:
     # export on CUDA bakes the CPU factory then the move to cuda into the graph
     create_on_device(gm, context((x,)))
     assert factories(gm)["zeros"]["device"].type == "cuda"
-    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert_same_outputs(model, gm, (x,), tolerance=0)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from graphopt.models import REFERENCE_MODELS
 from graphopt.passes.extract_pointwise_regions import REGION_PREFIX, extract_pointwise_regions
-from tests.conftest import FRONTENDS, captured, context
+from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
 
 
 def regions(gm: fx.GraphModule) -> dict[str, fx.GraphModule]:
@@ -116,7 +116,7 @@ def test_region_shapes(shape: str, frontend: str) -> None:
     assert (placeholders(region), outputs(region)) == (region_inputs, region_outputs)
     assert not list(region.parameters()) and not list(region.buffers())  # stored tensors stay outside
     assert f"{len(ops)} ops" in result.report.rewrites[0].detail
-    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
+    assert_same_outputs(model, gm, inputs, tolerance=0)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -152,7 +152,7 @@ def test_views_inside_a_region_join_it_and_views_at_its_edges_do_not(frontend: s
     (region,) = regions(gm).values()
     assert region_ops(region) == ["mul", "permute", "add"]
     assert "gamma" in {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}  # the parameter is a region input
-    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
+    assert_same_outputs(model, gm, inputs, tolerance=0)
 
 
 class InPlaceUnseen(nn.Module):
@@ -176,7 +176,7 @@ def test_in_place_op_whose_input_nothing_else_reads_is_fused_out_of_place() -> N
     relu = next(node for node in region.graph.nodes if node.target is F.relu)
     assert relu.kwargs.get("inplace", False) is False
     assert "relu" not in dict(gm.named_modules())  # the module call became a function call
-    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
+    assert_same_outputs(model, gm, inputs, tolerance=0)
 
 
 class InPlaceSeen(nn.Module):
@@ -200,7 +200,7 @@ def test_in_place_op_whose_write_is_visible_stays() -> None:
     assert any("read again" in skip.reason for skip in result.report.skips)
     for region in regions(gm).values():
         assert "relu" not in region_ops(region)
-    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
+    assert_same_outputs(model, gm, inputs, tolerance=0)
 
 
 class SizeArithmetic(nn.Module):
@@ -226,4 +226,4 @@ def test_reference_models(name: str, frontend: str) -> None:
     # resnet: a residual add + relu per block; convnext: a layer-scale mul + permute + residual add per block
     expected = {"resnet": ["add", "relu"], "convnext": ["mul", "permute", "add"]}[name]
     assert regions(gm) and all(region_ops(region) == expected for region in regions(gm).values())
-    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
+    assert_same_outputs(model, gm, inputs, tolerance=0)

@@ -11,7 +11,7 @@ import graphopt
 from graphopt.checkpoint import FoldedScale
 from graphopt.ops import arithmetic_operands
 from graphopt.passes.fold_channel_scale import fold_channel_scale
-from tests.conftest import FRONTENDS, captured, context, relative_error
+from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
 
 
 def muls(gm) -> list:
@@ -19,16 +19,15 @@ def muls(gm) -> list:
 
 
 def fold_and_check(model: nn.Module, inputs: tuple, frontend: str, folded: int):
-    """Fold, then assert the rewrite count, that the multiplies went and that outputs match the eager model."""
+    """Fold, then assert the rewrite count, that the multiplies went and that outputs match the eager model (`assert_same_outputs`)."""
     model = model.eval()
-    expected = model(*inputs)
     gm = captured(model, inputs, frontend)
     before = len(muls(gm))
     result = fold_channel_scale(gm, context(inputs))
     assert result.modified is (folded > 0)
     assert len(result.report.rewrites) == folded
     assert len(muls(gm)) == before - folded
-    assert relative_error(expected, gm(*inputs)) < 1e-5
+    assert_same_outputs(model, gm, inputs)
     return gm, result.report
 
 
@@ -116,11 +115,11 @@ def test_optimize_runs_it_by_default_and_checkpoints_go_both_ways() -> None:
     assert "layer_scale" in optimized.parameter_map
 
     optimized.load_original_state_dict(other.state_dict())
-    assert relative_error(other(*inputs), optimized(*inputs)) < 1e-5
+    assert_same_outputs(other, optimized, inputs)
     restored = ConvNeXtBlockTail().eval()
     restored.load_state_dict(optimized.original_state_dict())
     torch.testing.assert_close(restored.layer_scale, torch.ones(6, 1, 1))
-    assert relative_error(other(*inputs), restored(*inputs)) < 1e-5
+    assert_same_outputs(other, restored, inputs)
 
 
 def test_under_bf16_no_cast_is_left_around_the_folded_scale() -> None:
@@ -130,7 +129,7 @@ def test_under_bf16_no_cast_is_left_around_the_folded_scale() -> None:
     casts = [node for node in folded.graph.nodes if node.op == "call_method" and node.target == "to"]
     kept_casts = [node for node in kept.graph.nodes if node.op == "call_method" and node.target == "to"]
     assert len(casts) < len(kept_casts)
-    assert relative_error(model(*inputs), folded(*inputs)) < 3e-2
+    assert_same_outputs(model, folded, inputs, 3e-2)
 
 
 class OutputReadTwice(nn.Module):

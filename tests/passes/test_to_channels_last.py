@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import os
 import socket
 import subprocess
@@ -20,7 +22,7 @@ from graphopt import pipeline
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import interpreter_inputs, weighted_op_view
 from graphopt.passes.to_channels_last import CONVERSION, to_channels_last
-from tests.conftest import FRONTENDS, assert_trains_like, captured, context, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, assert_same_outputs, assert_trains_like, captured, context, randomize_batch_norms
 
 CL = torch.channels_last
 REPO = Path(__file__).resolve().parents[2]
@@ -69,9 +71,8 @@ def test_reference_models_need_few_conversions(name: str, frontend: str) -> None
     assert len(conversions(gm)) == to_cl + to_contiguous
     assert all(conv_inputs_layouts(gm, inputs))
     assert result.report.skips == [], "no op silently leaves channels_last"
-    out = gm(*inputs)
-    assert out.is_contiguous()
-    assert relative_error(model(*inputs), out) < 1e-5
+    assert gm(*inputs).is_contiguous()
+    assert_same_outputs(model, gm, inputs)
 
 
 def test_conv_weights_are_stored_channels_last_once_even_when_tied() -> None:
@@ -90,7 +91,7 @@ def test_conv_weights_are_stored_channels_last_once_even_when_tied() -> None:
     report = to_channels_last(gm, context(inputs)).report
     assert gm.a.weight is gm.b.weight and gm.a.weight.is_contiguous(memory_format=CL)
     assert "1 conv weights stored in channels_last" in report.notes
-    assert relative_error(model(*inputs), gm(*inputs)) < 1e-5
+    assert_same_outputs(model, gm, inputs)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -102,7 +103,7 @@ def test_four_d_outputs_get_their_layout_back(frontend: str) -> None:
     assert conversion_counts(report).endswith("1 on outputs")
     out = gm(*inputs)
     assert out.is_contiguous() and not out.is_contiguous(memory_format=CL)
-    torch.testing.assert_close(out, model(*inputs))
+    assert_same_outputs(model, gm, inputs)
 
 
 def test_outputs_stay_channels_last_when_asked() -> None:
@@ -136,7 +137,7 @@ def test_view_over_channels_gets_a_conversion_back(frontend: str) -> None:
     report = to_channels_last(gm, context(inputs)).report
     assert conversion_counts(report).startswith("layout conversions: 1 to channels_last, 1 back to contiguous inside")
     assert any("back to contiguous for" in rewrite.detail for rewrite in report.rewrites)
-    torch.testing.assert_close(gm(*inputs), model(*inputs))
+    assert_same_outputs(model, gm, inputs)
 
 
 def test_three_d_convs_use_channels_last_3d() -> None:
@@ -146,7 +147,7 @@ def test_three_d_convs_use_channels_last_3d() -> None:
     to_channels_last(gm, context(inputs))
     assert gm.get_parameter("0.weight").is_contiguous(memory_format=torch.channels_last_3d)
     assert all(conv_inputs_layouts(gm, inputs))
-    torch.testing.assert_close(gm(*inputs), model(*inputs))
+    assert_same_outputs(model, gm, inputs)
 
 
 def test_model_without_convs_is_left_alone() -> None:
@@ -171,7 +172,22 @@ def test_guard_weight_computed_in_the_graph() -> None:
     gm = captured(model, inputs, "fx")
     report = to_channels_last(gm, context(inputs)).report
     assert "weight computed in the graph" in report.skips[0].reason
-    assert relative_error(model(*inputs), gm(*inputs)) < 1e-5
+    assert_same_outputs(model, gm, inputs)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("dropout", [nn.Dropout(0.5), nn.Dropout2d(0.5)])
+def test_guard_active_elementwise_dropout_of_an_image(frontend: str, dropout: nn.Module) -> None:
+    """Element-wise dropout draws its mask in memory order: in channels_last, other elements for the same seed."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), copy.deepcopy(dropout), nn.Conv2d(4, 4, 1)).train()
+    inputs = (torch.randn(2, 3, 8, 8),)
+    gm = captured(model, inputs, frontend)
+    result = to_channels_last(gm, context(inputs, "training"))
+    per_channel = isinstance(dropout, nn.Dropout2d)  # one draw per (sample, channel): the same in any layout
+    assert result.modified is per_channel
+    if not per_channel:
+        assert "draws its mask in memory order" in result.report.skips[0].reason
+    assert_trains_like(model, gm, inputs)
 
 
 class InputResidual(nn.Module):
@@ -195,7 +211,7 @@ def test_other_readers_of_a_converted_value_share_the_conversion(frontend: str) 
     assert report.skips == []
     output_conversion = next(n for n in conversions(gm) if any(u.op == "output" for u in n.users))
     assert output_conversion.args[0].meta["graphopt_layout"] == "channels_last"  # the final add
-    assert relative_error(model(*inputs), gm(*inputs)) < 1e-5
+    assert_same_outputs(model, gm, inputs)
 
 
 def test_mixed_layouts_are_reported() -> None:
@@ -213,7 +229,7 @@ def test_mixed_layouts_are_reported() -> None:
     report = to_channels_last(gm, context(inputs)).report
     assert [skip.where for skip in report.skips] == ["add"]
     assert "returns NCHW from a channels_last input" in report.skips[0].reason
-    assert relative_error(model(*inputs), gm(*inputs)) < 1e-5
+    assert_same_outputs(model, gm, inputs)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -254,7 +270,7 @@ def test_optimize_reports_the_pass() -> None:
     report = optimized.graphopt_report["to_channels_last"]
     assert report.modified and conversion_counts(report).startswith("layout conversions: 1 to channels_last")
     assert "layout conversions: 1 to channels_last" in str(optimized.graphopt_report)
-    assert relative_error(model(*inputs), optimized(*inputs)) < 1e-5
+    assert_same_outputs(model, optimized, inputs)
 
 
 @pytest.mark.parametrize("required_gain, kept", [(0.0, True), (1e9, False)])
@@ -269,7 +285,7 @@ def test_auto_keeps_the_layout_only_when_it_measures_faster(monkeypatch: pytest.
     assert bool(conversions(optimized.graph_module)) is kept
     weight = optimized.get_parameter("stem_conv.weight")
     assert weight.is_contiguous(memory_format=CL) is kept
-    assert relative_error(model(*inputs), optimized(*inputs)) < 1e-5
+    assert_same_outputs(model, optimized, inputs)
 
 
 def test_memory_format_option_errors() -> None:

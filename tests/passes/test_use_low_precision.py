@@ -17,7 +17,7 @@ from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import batch_norm_view, interpreter_inputs, precision_family
 from graphopt.passes.use_low_precision import CAST, DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 from graphopt.pipeline import PRESETS
-from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
+from tests.conftest import FRONTENDS, assert_same_outputs, randomize_batch_norms, relative_error, second_inputs
 
 BF16_BOUND = 3e-2  # documented bound for bf16, relative to the output's scale
 
@@ -49,10 +49,19 @@ def assert_policy_holds(gm: fx.GraphModule, low: torch.dtype, low_ops=DEFAULT_LO
     return checked
 
 
-def flat_grads(model: nn.Module, names: set[str]) -> torch.Tensor:
-    """The gradients of ``names``, in name order (an optimized module may list its parameters in another order)."""
-    parameters = dict(model.named_parameters())
-    return torch.cat([parameters[name].grad.flatten() for name in sorted(names)])
+def output_and_gradients(model: nn.Module, args: tuple, names: set[str], autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of ``model``'s float32 output on ``args`` and the gradients of ``names`` for mean(output²).
+
+    The gradients come flat, in name order (an optimized module may list its parameters in
+    another order); with ``autocast``, forward runs under torch.autocast's bf16.
+    """
+    copied = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        output = copied(*args).float()
+    output.square().mean().backward()
+    parameters = dict(copied.named_parameters())
+    return output.detach(), torch.cat([parameters[name].grad.flatten() for name in sorted(names)])
 
 
 @pytest.mark.parametrize("mode", ["inference", "training"])
@@ -69,20 +78,19 @@ def test_reference_models_in_bf16(name: str, frontend: str, mode: str) -> None:
     report = optimized.graphopt_report["use_low_precision"]
     assert "100.0% of conv/linear/matmul FLOPs in low precision" in report.notes[-1]
     assert report.max_error < BF16_BOUND and report.mean_error < report.max_error
-
-    original = copy.deepcopy(model)
-    torch.manual_seed(0)
-    expected = original(*inputs)
-    torch.manual_seed(0)
-    actual = optimized(*inputs)
-    assert actual.dtype == torch.float32
-    assert relative_error(expected, actual) < BF16_BOUND
+    assert_same_outputs(model, optimized, inputs, BF16_BOUND)
     if mode == "training":
         assert all(p.dtype == torch.float32 for p in optimized.parameters())
-        expected.square().mean().backward()
-        actual.square().mean().backward()
+        # bf16 gradients are approximations of the fp32 ones whose error depends on the CPU's kernels
+        # (1.5e-2 to 5.5e-2 of the largest here): the yardstick is torch.autocast's bf16 on the same CPU,
+        # which graphopt's casts match (measured: the same error, 1.18x on the ResNet, whose biases
+        # before BatchNorm are dropped)
         kept = {n for n, _ in optimized.named_parameters()}
-        assert relative_error(flat_grads(original, kept), flat_grads(optimized, kept)) < 5e-2
+        for args in (inputs, second_inputs(model, inputs)):
+            _, fp32 = output_and_gradients(model, args, kept)
+            _, autocast = output_and_gradients(model, args, kept, autocast=True)
+            _, graphopt_bf16 = output_and_gradients(optimized, args, kept)
+            assert relative_error(fp32, graphopt_bf16) <= 1.5 * relative_error(fp32, autocast)
 
 
 def test_inference_weights_are_cast_once_and_fp32_values_kept() -> None:
@@ -111,7 +119,7 @@ def test_works_with_folding_and_channels_last() -> None:
     record_dtypes(gm, inputs)
     assert_policy_holds(gm, torch.bfloat16)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in optimized.parameters() if p.dim() == 4)
-    assert relative_error(model(*inputs), optimized(*inputs)) < BF16_BOUND
+    assert_same_outputs(model, optimized, inputs, BF16_BOUND)
 
 
 @pytest.mark.skipif(not api._cpu_runs(torch.float16), reason="this CPU has no fp16 kernels (the error is tested below)")
@@ -121,7 +129,7 @@ def test_fp16_on_cpu() -> None:
     optimized = graphopt.optimize(model, inputs, precision="fp16", memory_format="preserve")
     record_dtypes(optimized.graph_module, inputs)
     assert assert_policy_holds(optimized.graph_module, torch.float16) > 0
-    assert relative_error(model(*inputs), optimized(*inputs)) < 1e-2
+    assert_same_outputs(model, optimized, inputs, 1e-2)
 
 
 class Attention(nn.Module):
@@ -148,7 +156,7 @@ def test_one_cast_per_value_and_unknown_modules_get_fp32() -> None:
     assert assert_policy_holds(gm, torch.bfloat16) == 4  # q, k and both matmuls
     prelu = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "act")
     assert prelu.meta["test_input_dtypes"] == {torch.float32}
-    assert relative_error(model(*inputs), optimized(*inputs)) < BF16_BOUND
+    assert_same_outputs(model, optimized, inputs, BF16_BOUND)
 
 
 def test_policy_overrides() -> None:
@@ -203,17 +211,12 @@ def test_training_matches_torch_autocast(frontend: str) -> None:
     model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).train()
     inputs = (torch.randn(4, 3, 32, 32),)
     optimized = graphopt.optimize(model, inputs, frontend=frontend, precision="bf16", memory_format="preserve", disable=["drop_conv_bias"])
-    reference = copy.deepcopy(model)
-    torch.manual_seed(0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = reference(*inputs).float()
-    torch.manual_seed(0)
-    actual = optimized(*inputs)
-    assert relative_error(expected, actual) < 1e-3
-    expected.square().mean().backward()
-    actual.square().mean().backward()
     names = {n for n, _ in optimized.named_parameters()}
-    assert relative_error(flat_grads(reference, names), flat_grads(optimized, names)) < 1e-3
+    for args in (inputs, second_inputs(model, inputs)):
+        expected, expected_gradients = output_and_gradients(model, args, names, autocast=True)
+        actual, actual_gradients = output_and_gradients(optimized, args, names)
+        assert relative_error(expected, actual) < 1e-3
+        assert relative_error(expected_gradients, actual_gradients) < 1e-3
 
 
 class NormsBetweenLinears(nn.Module):
@@ -243,12 +246,12 @@ def test_layer_and_group_norm_read_low_precision_input_with_fp32_parameters() ->
     assert len(casts) == 2, "the input to bf16 and the output back: none around the norms"
 
     # the same values as the norms in fp32 on the bf16 value, rounded once to bf16
-    with torch.no_grad():
-        hidden = model.a.to(torch.bfloat16)(inputs[0].bfloat16())
-        normed = model.group(model.norm(hidden.float()).bfloat16().float()).bfloat16()
-        expected = model.b.to(torch.bfloat16)(normed).float()
-        model.float()
-    assert relative_error(expected, optimized(*inputs)) < 1e-2
+    low = copy.deepcopy(model).bfloat16()
+    for (x,) in (inputs, second_inputs(model, inputs)):
+        with torch.no_grad():
+            normed = model.group(model.norm(low.a(x.bfloat16()).float()).bfloat16().float()).bfloat16()
+            expected = low.b(normed).float()
+            assert relative_error(expected, optimized(x)) < 1e-2
 
     kept = graphopt.optimize(model, inputs, precision="bf16", memory_format="preserve", fp32_ops=[*DEFAULT_FP32_OPS, "layer_norm", "group_norm"])
     record_dtypes(kept.graph_module, inputs)

@@ -1,0 +1,225 @@
+"""The inputs an optimized graph is checked on, and the calls it accepts.
+
+A rewrite must be right for every input the optimized graph accepts, not only for the
+example it was planned on. `other_inputs` makes candidates for a second, independent
+check: another batch size, fresh values (resampled from the example's own values, so
+integer ids, masks and value ranges stay valid) and other strides (channels_last for
+4-D/5-D tensors, transposed storage for 2-D/3-D, a strided view for 1-D). The caller
+keeps the first candidate the original model accepts.
+
+`InputSignature` is what the optimized module then accepts: per tensor input its dtype,
+device, rank and sizes, each size fixed to the example's unless it was verified to vary
+(the batch dimension). A call outside it raises `InputMismatchError` naming the input,
+what the graph accepts and how to optimize for it, instead of a guard failure deep in
+torch or, worse, a wrong result.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from graphopt.errors import InputMismatchError
+
+SEED = 1
+
+
+@dataclass
+class OtherInputs:
+    """A candidate second input and how it differs from the example."""
+
+    args: tuple[Any, ...]
+    description: str
+    batch: int | None  # its batch size when it differs from the example's, else None
+
+
+def batch_size(args: tuple[Any, ...]) -> int | None:
+    """The example's batch size: the first dimension of its first tensor of rank >= 1."""
+    return next((leaf.shape[0] for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0), None)
+
+
+def _other_layout(shape: tuple[int, ...], example: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """An empty tensor of ``shape`` laid out unlike ``example`` (the layout's name)."""
+    make = dict(dtype=example.dtype, device=example.device)
+    if len(shape) in (4, 5):
+        channels_last = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        if example.is_contiguous(memory_format=channels_last) and not example.is_contiguous():
+            return torch.empty(shape, **make), "contiguous"
+        return torch.empty(shape, **make, memory_format=channels_last), "channels_last"
+    if len(shape) in (2, 3):
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        return torch.empty(swapped, **make).transpose(-1, -2), "transposed"
+    if len(shape) == 1:
+        return torch.empty(2 * shape[0], **make)[::2], "strided"
+    return torch.empty(shape, **make), "contiguous"
+
+
+def _fresh(example: torch.Tensor, shape: tuple[int, ...], strided: bool, generator: torch.Generator) -> tuple[torch.Tensor, str]:
+    """A tensor of ``shape`` with values drawn from ``example``'s, in another layout when ``strided``."""
+    flat = example.detach().reshape(-1)
+    count = 1
+    for size in shape:
+        count *= size
+    if flat.numel():
+        picks = torch.randint(flat.numel(), (count,), generator=generator).to(flat.device)
+        values = flat[picks].reshape(shape)
+    else:
+        values = torch.zeros(shape, dtype=example.dtype, device=example.device)
+    out, layout = _other_layout(shape, example) if strided else (torch.empty(shape, dtype=example.dtype, device=example.device), "contiguous")
+    out.copy_(values)
+    if example.requires_grad:
+        out.requires_grad_(True)
+    return out, layout
+
+
+def other_inputs(args: tuple[Any, ...], vary_batch: bool) -> list[OtherInputs]:
+    """Candidate second inputs, most different first: other batch and strides, then fewer differences."""
+    batch = batch_size(args)
+    new_batch = None if batch is None or not vary_batch else batch + 1 if batch > 1 else 2
+    candidates = []
+    for use_batch in ([new_batch, None] if new_batch is not None else [None]):
+        for strided in (True, False):
+            generator = torch.Generator().manual_seed(SEED)
+            layouts: list[str] = []
+
+            def remake(leaf: Any) -> Any:
+                if not isinstance(leaf, torch.Tensor):
+                    return leaf
+                shape = tuple(leaf.shape)
+                if use_batch is not None and shape and shape[0] == batch:
+                    shape = (use_batch, *shape[1:])
+                tensor, layout = _fresh(leaf, shape, strided, generator)
+                layouts.append(layout)
+                return tensor
+
+            made = pytree.tree_map(remake, args)
+            strides = ", ".join(sorted(set(layouts) - {"contiguous"})) or "contiguous"
+            batch_text = f"batch {use_batch} (example: {batch})" if use_batch is not None else "the example's batch size"
+            candidates.append(OtherInputs(made, f"{batch_text}, values resampled from the example's, {strides} strides", use_batch))
+    return candidates
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the graph accepts for one tensor input: sizes of None vary."""
+
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    sizes: tuple[int | None, ...]
+
+    def accepted(self) -> str:
+        sizes = ", ".join("*" if size is None else str(size) for size in self.sizes)
+        return f"Tensor[{sizes}] {str(self.dtype).removeprefix('torch.')} on {self.device}"
+
+    def mismatch(self, value: Any) -> str | None:
+        if not isinstance(value, torch.Tensor):
+            return f"is a {type(value).__name__}, not a tensor"
+        if value.dtype != self.dtype:
+            return f"has dtype {str(value.dtype).removeprefix('torch.')}"
+        if value.device != self.device:
+            return f"is on {value.device}"
+        if value.dim() != len(self.sizes):
+            return f"has {value.dim()} dimensions ({list(value.shape)})"
+        if any(size is not None and size != actual for size, actual in zip(self.sizes, value.shape)):
+            return f"has shape {list(value.shape)}"
+        return None
+
+
+def _names(model: nn.Module, count: int) -> list[str]:
+    """forward()'s names for the first ``count`` positional arguments (``input0``... where it has none)."""
+    try:
+        parameters = [p for p in inspect.signature(model.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        parameters = []
+    return [parameters[i].name if i < len(parameters) else f"input{i}" for i in range(count)]
+
+
+class InputSignature:
+    """The calls an optimized graph accepts: the example's structure, with verified dimensions free to vary."""
+
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, fixed_values: bool) -> None:
+        """``dynamic_batch``: dim 0 of the tensors that carry the batch may vary; ``fixed_values``:
+        non-tensor arguments must equal the example's (torch.export specialises them)."""
+        self.names = _names(model, len(args))
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            self.signature = None
+        leaves, self.spec = pytree.tree_flatten_with_path(args)
+        batch = batch_size(args)
+        self.dynamic_batch = dynamic_batch and batch is not None
+        self.fixed_values = fixed_values
+        self.leaves: list[TensorSpec | tuple[str, Any]] = []
+        for path, leaf in leaves:
+            name = self._name(path)
+            if isinstance(leaf, torch.Tensor):
+                sizes: tuple[int | None, ...] = tuple(leaf.shape)
+                if self.dynamic_batch and sizes and sizes[0] == batch:
+                    sizes = (None, *sizes[1:])
+                self.leaves.append(TensorSpec(name, leaf.dtype, leaf.device, sizes))
+            else:
+                self.leaves.append((name, leaf))
+
+    def _name(self, path: tuple[Any, ...]) -> str:
+        index = path[0].idx if path and isinstance(path[0], pytree.SequenceKey) else None
+        head = self.names[index] if index is not None and index < len(self.names) else "input"
+        return head + pytree.keystr(path[1:])
+
+    def describe(self) -> str:
+        """What the graph accepts, e.g. ``(x: Tensor[*, 3, 224, 224] float32 on cpu, scale: float)``."""
+        parts = []
+        for leaf in self.leaves:
+            if isinstance(leaf, TensorSpec):
+                parts.append(f"{leaf.name}: {leaf.accepted()}")
+            else:
+                parts.append(f"{leaf[0]}={leaf[1]!r}" if self.fixed_values else f"{leaf[0]}: {type(leaf[1]).__name__}")
+        return "(" + ", ".join(parts) + ")"
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The positional arguments of a call that may name some of them."""
+        if not kwargs:
+            return args
+        if self.signature is None:
+            raise InputMismatchError("this optimized module takes positional arguments only: call it like the example inputs")
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise InputMismatchError(f"the call does not fit forward{self.signature}: {error}") from error
+        return tuple(bound.args)
+
+    def check(self, args: tuple[Any, ...]) -> None:
+        """Raise `InputMismatchError` unless ``args`` is a call the graph accepts."""
+        leaves, spec = pytree.tree_flatten(args)
+        if spec != self.spec or len(leaves) != len(self.leaves):
+            self._refuse("the call's arguments", f"are {_summary(args)}")
+        for expected, value in zip(self.leaves, leaves, strict=True):
+            if isinstance(expected, TensorSpec):
+                problem = expected.mismatch(value)
+                if problem is not None:
+                    self._refuse(expected.name, problem)
+            else:
+                name, example = expected
+                same = type(value) is type(example) and (not self.fixed_values or value == example)
+                if not same:
+                    self._refuse(name, f"is {value!r}")
+
+    def _refuse(self, what: str, problem: str) -> None:
+        sizes = "* is any batch size (verified on a second one), every other size is the example's" if self.dynamic_batch else "every size is the example's"
+        raise InputMismatchError(
+            f"{what} {problem}, but this optimized module accepts {self.describe()}, where {sizes}. It was captured and "
+            "verified for those inputs only and may compute something else for others. Optimize the model again with example "
+            "inputs like the ones you call it with (one optimized module per input shape or dtype), or call the original model."
+        )
+
+
+def _summary(args: tuple[Any, ...]) -> str:
+    def one(leaf: Any) -> str:
+        return f"Tensor{list(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+
+    return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
