@@ -152,5 +152,6 @@ def assert_trains_like(model: nn.Module, optimized: nn.Module, inputs: tuple[Any
             assert relative_error(want, got) < tolerance
         assert expected.gradients is not None and actual.gradients is not None
         removed = set(expected.gradients) - set(actual.gradients)
-        comparison = confirm_gradients(compare_gradients(expected.gradients, actual.gradients, tolerance, removed), model, optimized, args, removed)
+        graph = getattr(optimized, "graph_module", optimized)  # in float64 (confirm_gradients), past the module's input guard
+        comparison = confirm_gradients(compare_gradients(expected.gradients, actual.gradients, tolerance, removed), model, graph, args, removed)
         assert comparison.ok, f"{comparison.where}: {comparison.detail} (error {comparison.max_error:.2e})"
