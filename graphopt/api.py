@@ -350,8 +350,8 @@ def optimize(
     with preserved_user_objects(owned, module_attributes=False):
         with watch_side_effects(owned) as watch:
             example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
-        others = SecondInputs(owned, args, vary_batch=dynamic_batch, gradients=training) if verify else ()
-        captured = capture_graph(owned, example, frontend, dynamic_batch, others)
+        others = SecondInputs(owned, args, vary_batch=dynamic_batch, gradients=training)
+        captured = capture_graph(owned, example, frontend, dynamic_batch, others if verify else ())
         report = Report(
             mode=resolved_mode,
             frontend=captured.frontend,
@@ -379,7 +379,7 @@ def optimize(
         second = captured.second
         if verify:
             report.warnings += _unverifiable(example, second, others, low_dtype)
-            report.second_input = second.description.removeprefix("a second input (").removesuffix(")") if second is not None else ""
+            report.second_input = second.differences if second is not None else ""
         verifier = Verifier(example, second, resolved_mode, strict, original=owned_copy) if verify else None
         recaptures = iter([captured.graph_module])
 
@@ -412,12 +412,9 @@ def optimize(
         return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
 
 
-VERIFY_OPTIONS = (True, False, "strict")
-
-
 def _check_verify(verify: Any) -> bool:
     """Whether ``verify`` asks for strict verification; an unknown value raises `InvalidOptionError`."""
-    if not any(verify is option or (isinstance(option, str) and verify == option) for option in VERIFY_OPTIONS):
+    if verify is not True and verify is not False and verify != "strict":
         raise InvalidOptionError(
             f"verify={verify!r}: use True (check every pass; roll back one that fails, with a warning), 'strict' "
             "(any mismatch raises VerificationError) or False (no checks)"
@@ -425,9 +422,10 @@ def _check_verify(verify: Any) -> bool:
     return verify == "strict"
 
 
-def _unverifiable(example: Check, second: Check | None, others: Any, low_dtype: torch.dtype | None) -> list[str]:
+def _unverifiable(example: Check, second: Check | None, others: SecondInputs, low_dtype: torch.dtype | None) -> list[str]:
     """What the user must know about the checks themselves: outputs too small to verify, no second input."""
     warnings_ = []
+    # said once: on the example, else on the second input
     for check in filter(None, [example, second]):
         degenerate = verify_outputs.degenerate_outputs(check.expected.outputs, low_dtype)
         if degenerate:
@@ -436,8 +434,9 @@ def _unverifiable(example: Check, second: Check | None, others: Any, low_dtype: 
                 "one at that scale (the activations vanish with these weights, e.g. a random initialisation). Verify with "
                 "trained weights, or example inputs that give outputs of normal magnitude."
             )
+            break
     if second is None:
-        refused = "; ".join(getattr(others, "refused", [])[:2])
+        refused = "; ".join(others.refused[:2])
         warnings_.append(
             "verified on the example inputs only: no second input (other batch size, values, strides) was accepted"
             + (f" ({refused})" if refused else "")

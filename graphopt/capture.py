@@ -84,10 +84,13 @@ def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, grad
     tracer.record_stack_traces = True  # source lines for the report (e.g. sync points)
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
         gm = fx.GraphModule(model, tracer.trace(model), model.__class__.__name__)
-    # ShapeProp records shapes/dtypes for the passes' guards
-    with verify.isolated(gm):
-        ShapeProp(gm).propagate(*args)
-    return gm, verify.run_reference(gm, args, gradients=gradients), []  # fx graphs take any batch size unless the code fixes one
+    # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check
+    state: dict[str, torch.Tensor] = {}
+    with verify.isolated(gm, state_after=state):
+        outputs = ShapeProp(gm).propagate(*args)
+    # gradients need a run with autograd; without them the shape run is the reference run
+    reference = verify.run_reference(gm, args, gradients=True) if gradients else verify.Reference(outputs, state)
+    return gm, reference, []  # fx graphs take any batch size unless the code fixes one
 
 
 def _batch_dynamic_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -17,7 +17,8 @@ torch or, worse, a wrong result.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,16 +63,15 @@ def _other_layout(shape: tuple[int, ...], example: torch.Tensor) -> tuple[torch.
 def _fresh(example: torch.Tensor, shape: tuple[int, ...], strided: bool, generator: torch.Generator) -> tuple[torch.Tensor, str]:
     """A tensor of ``shape`` with values drawn from ``example``'s, in another layout when ``strided``."""
     flat = example.detach().reshape(-1)
-    count = 1
-    for size in shape:
-        count *= size
     if flat.numel():
-        picks = torch.randint(flat.numel(), (count,), generator=generator).to(flat.device)
-        values = flat[picks].reshape(shape)
+        picks = torch.randint(flat.numel(), (math.prod(shape),), generator=generator).to(flat.device)
+        out, layout = flat[picks].reshape(shape), "contiguous"
     else:
-        values = torch.zeros(shape, dtype=example.dtype, device=example.device)
-    out, layout = _other_layout(shape, example) if strided else (torch.empty(shape, dtype=example.dtype, device=example.device), "contiguous")
-    out.copy_(values)
+        out, layout = torch.zeros(shape, dtype=example.dtype, device=example.device), "contiguous"
+    if strided:
+        values = out
+        out, layout = _other_layout(shape, example)
+        out.copy_(values)
     if example.requires_grad:
         out.requires_grad_(True)
     return out, layout
@@ -112,12 +112,24 @@ class TensorSpec:
     dtype: torch.dtype
     device: torch.device
     sizes: tuple[int | None, ...]
+    fixed: tuple[tuple[int, int], ...] = field(init=False, repr=False)  # (dim, size) of each fixed size, for `fits`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fixed", tuple((dim, size) for dim, size in enumerate(self.sizes) if size is not None))
+
+    def fits(self, value: Any) -> bool:
+        """Whether ``value`` is accepted: the check run on every call, kept to plain comparisons."""
+        if not isinstance(value, torch.Tensor) or value.dtype != self.dtype or value.device != self.device or value.dim() != len(self.sizes):
+            return False
+        shape = value.shape
+        return all(shape[dim] == size for dim, size in self.fixed)
 
     def accepted(self) -> str:
         sizes = ", ".join("*" if size is None else str(size) for size in self.sizes)
         return f"Tensor[{sizes}] {str(self.dtype).removeprefix('torch.')} on {self.device}"
 
     def mismatch(self, value: Any) -> str | None:
+        """What is wrong with ``value``, for the error message (None: nothing)."""
         if not isinstance(value, torch.Tensor):
             return f"is a {type(value).__name__}, not a tensor"
         if value.dtype != self.dtype:
@@ -131,26 +143,18 @@ class TensorSpec:
         return None
 
 
-def _names(model: nn.Module, count: int) -> list[str]:
-    """forward()'s names for the first ``count`` positional arguments (``input0``... where it has none)."""
-    try:
-        parameters = [p for p in inspect.signature(model.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        parameters = []
-    return [parameters[i].name if i < len(parameters) else f"input{i}" for i in range(count)]
-
-
 class InputSignature:
     """The calls an optimized graph accepts: the example's structure, with verified dimensions free to vary."""
 
     def __init__(self, model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, fixed_values: bool) -> None:
         """``dynamic_batch``: dim 0 of the tensors that carry the batch may vary; ``fixed_values``:
         non-tensor arguments must equal the example's (torch.export specialises them)."""
-        self.names = _names(model, len(args))
         try:
             self.signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self.signature = None
+        positional = [p.name for p in self.signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] if self.signature else []
+        self.names = [positional[i] if i < len(positional) else f"input{i}" for i in range(len(args))]
         leaves, self.spec = pytree.tree_flatten_with_path(args)
         batch = batch_size(args)
         self.dynamic_batch = dynamic_batch and batch is not None
@@ -165,6 +169,8 @@ class InputSignature:
                 self.leaves.append(TensorSpec(name, leaf.dtype, leaf.device, sizes))
             else:
                 self.leaves.append((name, leaf))
+        # the usual call, a flat tuple of tensors, is checked without flattening
+        self.tensors_only = len(args) == len(self.leaves) and all(isinstance(leaf, TensorSpec) for leaf in self.leaves)
 
     def _name(self, path: tuple[Any, ...]) -> str:
         index = path[0].idx if path and isinstance(path[0], pytree.SequenceKey) else None
@@ -194,15 +200,16 @@ class InputSignature:
         return tuple(bound.args)
 
     def check(self, args: tuple[Any, ...]) -> None:
-        """Raise `InputMismatchError` unless ``args`` is a call the graph accepts."""
+        """Raise `InputMismatchError` unless ``args`` is a call the graph accepts (run on every call: kept cheap)."""
+        if self.tensors_only and len(args) == len(self.leaves) and all(spec.fits(value) for spec, value in zip(self.leaves, args)):  # type: ignore[union-attr]
+            return
         leaves, spec = pytree.tree_flatten(args)
         if spec != self.spec or len(leaves) != len(self.leaves):
             self._refuse("the call's arguments", f"are {_summary(args)}")
         for expected, value in zip(self.leaves, leaves, strict=True):
             if isinstance(expected, TensorSpec):
-                problem = expected.mismatch(value)
-                if problem is not None:
-                    self._refuse(expected.name, problem)
+                if not expected.fits(value):
+                    self._refuse(expected.name, expected.mismatch(value) or "")
             else:
                 name, example = expected
                 same = type(value) is type(example) and (not self.fixed_values or value == example)

@@ -542,6 +542,13 @@ _DROPOUT_FUNCTIONS: dict[Any, tuple[Form, _Signature]] = {
 }
 
 
+# dropouts that draw one number per (sample, channel), a (N, C, 1, ...) mask, not one per element
+_PER_CHANNEL_DROPOUTS = frozenset({
+    "Dropout1d", "Dropout2d", "Dropout3d", "FeatureAlphaDropout", "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout",
+    "feature_dropout",
+})  # fmt: skip
+
+
 @dataclass
 class DropoutView:
     """A dropout (any flavour) or an identity: passes its input through when inactive."""
@@ -551,6 +558,11 @@ class DropoutView:
     input: Any
     active: bool  # randomly drops values when executed
     kind: str
+
+    @property
+    def per_element(self) -> bool:
+        """Whether it draws one random number per element (in memory order), not one per channel."""
+        return self.kind != "identity" and self.kind.split(".")[0] not in _PER_CHANNEL_DROPOUTS
 
 
 def dropout_view(gm: fx.GraphModule, node: fx.Node) -> DropoutView | None:

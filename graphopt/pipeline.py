@@ -172,15 +172,16 @@ def run_passes(
     ctx: PassContext,
     verifier: Verifier | None,
     capture_error: float = 0.0,
-) -> tuple[fx.GraphModule, list[PassReport], dict[str, GraphDiff]]:
-    """Run ``infos`` in order on ``gm``, each verified on the example (unless ``verifier`` is None).
+) -> tuple[fx.GraphModule, list[PassReport], dict[str, GraphDiff], tuple[verify.Comparison, verify.Comparison | None] | None]:
+    """Run ``infos`` in order on ``gm``, each verified on the example, the result on the second input.
 
     ``capture_error`` is the captured graph's error, carried by passes that change nothing.
     With ``ctx.measure``, a `measured` pass that does not make the graph faster is undone.
-    Returns the optimized graph module (``gm`` itself unless a pass was undone), the reports
-    and the graph diff of each pass. A pass that fails verification raises
-    `VerificationError` naming it (`run_verified` rolls it back); the final check on the
-    second input is `check_second_input`.
+    Returns the optimized graph module (``gm`` itself unless a pass was undone), the reports,
+    the graph diff of each pass and the final graph's errors on the second input (outputs,
+    gradients; None without ``verifier`` or a second input). A failed check raises
+    `VerificationError` naming the pass, or no pass for the final check (`run_verified`
+    rolls the pass back).
     """
     reports: list[PassReport] = []
     diffs = {}
@@ -228,16 +229,10 @@ def run_passes(
         gradient_error = report.gradient_error if report.gradient_error is not None else gradient_error
         reports.append(report)
         diffs[info.name] = GraphDiff(info.name, before_nodes, snapshot(gm.graph), {r.node: r.detail for r in report.rewrites}, report.skips)
-    return gm, reports, diffs
-
-
-def check_second_input(
-    gm: fx.GraphModule, verifier: Verifier, reports: Sequence[PassReport], compute_dtype: torch.dtype | None
-) -> tuple[verify.Comparison, verify.Comparison | None] | None:
-    """The final graph's errors on the second input (None when there is none); `VerificationError` when too large."""
-    if verifier.second is None:
-        return None
-    return _verify("", gm, verifier, verifier.second, None, compute_dtype, _removed_parameters(reports))
+    second = None
+    if verifier is not None and verifier.second is not None:
+        second = _verify("", gm, verifier, verifier.second, None, compute_dtype, _removed_parameters(reports))
+    return gm, reports, diffs, second
 
 
 def run_verified(
@@ -261,9 +256,7 @@ def run_verified(
     while True:
         chosen = [info for info in infos if info.name not in rolled_back]
         try:
-            gm, reports, diffs = run_passes(gm, chosen, ctx, verifier, capture_error)
-            compute_dtype = ctx.precision if any(not info.exact and report.modified for info, report in zip(chosen, reports, strict=True)) else None
-            second = check_second_input(gm, verifier, reports, compute_dtype) if verifier is not None else None
+            gm, reports, diffs, second = run_passes(gm, chosen, ctx, verifier, capture_error)
             break
         except VerificationError as error:
             if verifier is None or verifier.strict or (error.pass_name is None and verifier.second_each_pass):
@@ -280,7 +273,8 @@ def run_verified(
                 )
             gm = capture()
     ran = dict(zip((info.name for info in chosen), reports, strict=True))
+    unchanged = snapshot(gm.graph)
     for name in rolled_back:
-        diffs[name] = GraphDiff(name, snapshot(gm.graph), snapshot(gm.graph), {}, [])
+        diffs[name] = GraphDiff(name, unchanged, unchanged, {}, [])
     reports = [ran[info.name] if info.name in ran else PassReport(info.name, rolled_back=rolled_back[info.name]) for info in infos]
     return gm, reports, diffs, second

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,15 +126,19 @@ def _unusable_output(outputs: Any) -> str | None:
 class SecondInputs:
     """Second inputs the eager model accepts with usable outputs, most different from the example first.
 
-    Candidates come from `graphopt.inputs.other_inputs`; each is run eagerly the first time
-    it is asked for (a graph that accepts the first needs no more), and kept.
+    Candidates come from `graphopt.inputs.other_inputs`, made when first iterated; each is
+    run eagerly the first time it is asked for (a graph that accepts the first needs no
+    more), and kept.
     """
 
     def __init__(self, model: nn.Module, args: tuple[Any, ...], vary_batch: bool, gradients: bool) -> None:
-        self.model, self.gradients = model, gradients
-        self.candidates = other_inputs(args, vary_batch)
+        self.model, self.args, self.vary_batch, self.gradients = model, args, vary_batch, gradients
         self.checks: dict[int, verify.Check | None] = {}
         self.refused: list[str] = []  # why the eager model refused candidates
+
+    @functools.cached_property
+    def candidates(self) -> list[OtherInputs]:
+        return other_inputs(self.args, self.vary_batch)
 
     def __iter__(self) -> Iterator[verify.Check]:
         for index, candidate in enumerate(self.candidates):
@@ -153,4 +158,4 @@ class SecondInputs:
         if unusable is not None:
             self.refused.append(f"{candidate.description}: the model's {unusable} holds NaN or no finite value")
             return None
-        return verify.Check(candidate.args, reference, f"a second input ({candidate.description})", candidate.batch)
+        return verify.Check(candidate.args, reference, f"a second input ({candidate.description})", candidate.batch, candidate.description)

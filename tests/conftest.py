@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import graphopt
-from graphopt.inputs import other_inputs
 from graphopt.passes import PassContext
+from graphopt.validate import SecondInputs
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
 
 FRONTENDS = ("fx", "export")
@@ -94,19 +94,13 @@ class ShapeBranch(nn.Module):
 def second_inputs(model: nn.Module, inputs: tuple[Any, ...], vary_batch: bool = True) -> tuple[Any, ...]:
     """An input unlike ``inputs`` that ``model`` accepts: another batch size, fresh values, other strides where it can.
 
-    The candidates are graphopt's own (`graphopt.inputs.other_inputs`), most different
-    first; the first one the eager model runs on is returned.
+    The one graphopt verifies on (`graphopt.validate.SecondInputs`): the first of its
+    candidates, most different first, that the eager model runs on with usable outputs.
     """
-    reasons = []
-    for candidate in other_inputs(inputs, vary_batch):
-        try:
-            with torch.no_grad():
-                copy.deepcopy(model)(*candidate.args)
-        except Exception as error:
-            reasons.append(f"{candidate.description}: {error}")
-            continue
-        return candidate.args
-    raise AssertionError(f"the model accepts no second input: {reasons}")
+    accepted = SecondInputs(copy.deepcopy(model), inputs, vary_batch, gradients=False)
+    check = next(iter(accepted), None)
+    assert check is not None, f"the model accepts no second input: {accepted.refused}"
+    return check.args
 
 
 def _outputs(result: Any) -> list[Any]:

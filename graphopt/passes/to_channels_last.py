@@ -117,14 +117,13 @@ def _cast_stored_weight(gm: fx.GraphModule, conv: WeightedOpView) -> torch.Tenso
     return value if isinstance(value, torch.Tensor) and value.dim() == conv.spatial_dims + 2 else None
 
 
-# dropouts that draw one number per channel (a (N, C, 1, 1) mask): the same in any layout
-_PER_CHANNEL_DROPOUTS = {"Dropout1d", "Dropout2d", "Dropout3d", "FeatureAlphaDropout", "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "feature_dropout"}
-
-
 def _draws_in_memory_order(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` is an active element-wise dropout of a tensor that could be in channels_last."""
+    """Whether ``node`` is an active element-wise dropout of a tensor that could be in channels_last.
+
+    A per-channel dropout draws a (N, C, 1, 1) mask, the same in any layout.
+    """
     dropout = dropout_view(gm, node)
-    if dropout is None or not dropout.active or dropout.kind.removeprefix("aten.").split(".")[0] in _PER_CHANNEL_DROPOUTS:
+    if dropout is None or not dropout.active or not dropout.per_element:
         return False
     meta = tensor_meta(dropout.input) if isinstance(dropout.input, fx.Node) else None
     return meta is None or len(meta[0]) in _CHANNELS_LAST
