@@ -34,7 +34,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-# graphopt against the peers of ../shared/ANCHORS.md on the full-size anchor models (ResNet-50, MobileNetV2,
+# graphopt against its peers (torch.compile, onnxruntime, TorchScript, fx optimization) on the full-size anchor models (ResNet-50, MobileNetV2,
 # EfficientNet-B0, ConvNeXt-Tiny, ViT-B/16), batch 8, on a quiet machine (about 25 minutes on 2 cores): prints, per
 # model, the fastest graphopt variant against each peer; writes bench-results/bench.{json,md,png}.
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--models resnet50 --rounds 20".

@@ -6,8 +6,8 @@
 """
 
 from graphopt import data, lint
-from graphopt.api import OptimizedModule, optimize
-from graphopt.backends.onnx_export import ExportReport, export_onnx
+from graphopt.api import optimize
+from graphopt.backends.onnx_export import ExportReport
 from graphopt.capture import capture
 from graphopt.diff import GraphDiff, diff
 from graphopt.errors import (
@@ -26,8 +26,10 @@ from graphopt.errors import (
     VerificationError,
     VerificationWarning,
 )
+from graphopt.export import export_onnx
 from graphopt.pipeline import list_passes
 from graphopt.report import PassReport, Report
+from graphopt.runtime import OptimizedModule
 
 __version__ = "0.1.0"
 

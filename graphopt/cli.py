@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.api import MEMORY_FORMATS, PRECISIONS, OptimizedModule, optimize
+from graphopt.api import MEMORY_FORMATS, optimize
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
-from graphopt.backends.onnx_export import export_onnx
+from graphopt.export import export_onnx
 from graphopt.bench.harness import BenchModel
 from graphopt.bench.models import select_models
 from graphopt.bench.results import to_markdown
@@ -40,6 +40,8 @@ from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
 from graphopt.models import REFERENCE_MODELS, get_reference_model
 from graphopt.pipeline import list_passes
+from graphopt.precision import PRECISIONS
+from graphopt.runtime import OptimizedModule
 
 _DTYPES = {
     "float32": torch.float32,

@@ -2,6 +2,7 @@
 
 - `resolve_device`: ``optimize(device=...)``, or where the model's parameters are (the
   example inputs' device for a model without parameters);
+- `device_types`: the kinds of device the model's tensors are on (``{"cpu"}`` without any);
 - `enable_cudnn_benchmark`: on CUDA, for a graph with convolutions and static input
   shapes, ``torch.backends.cudnn.benchmark = True`` (cuDNN then times its convolution
   algorithms once per input shape and keeps the fastest; with shapes that keep changing
@@ -38,6 +39,11 @@ def resolve_device(device: str | torch.device | None, model: nn.Module, example_
         inputs = [leaf.device for leaf in pytree.tree_leaves(example_inputs) if isinstance(leaf, torch.Tensor)]
         devices = set(inputs[:1])
     return next(iter(devices), torch.device("cpu"))
+
+
+def device_types(model: nn.Module) -> set[str]:
+    """The device types (``"cpu"``, ``"cuda"``, ...) of the model's parameters and buffers; ``{"cpu"}`` when it has none."""
+    return {t.device.type for t in [*model.parameters(), *model.buffers()]} or {"cpu"}
 
 
 def enable_cudnn_benchmark(gm: fx.GraphModule, device: torch.device) -> str | None:

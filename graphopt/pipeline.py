@@ -1,6 +1,9 @@
 """The pipeline: ordered passes per mode, each followed by a lint and a numeric check.
 
-Presets are explicit ordered lists. After every pass the pipeline lints the graph,
+Every pass list is derived from the registry's `PassInfo` (`graphopt.passes`): the
+presets, the passes an ``optimize`` call runs (`select_passes`), the fastest CPU
+configuration (`cpu_kernel_passes`, for tune and the benchmark) and ONNX export's
+subset (`onnx_left_out`, `onnx_refused`). After every pass the pipeline lints the graph,
 records which nodes the pass created and erased, and (``verify=True``) runs the graph
 on the example inputs and compares with the original model's outputs (in training
 mode also the gradients); the final graph is also checked on a second input (another
@@ -25,42 +28,31 @@ import torch.nn as nn
 
 from graphopt import verify
 from graphopt.checkpoint import key_map
-from graphopt.errors import GraphoptError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
-from graphopt.passes import REGISTRY, Mode, PassContext, PassInfo, PassResult
+from graphopt.errors import GraphoptError, InvalidOptionError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
+from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo, PassResult
+from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.diff import GraphDiff, snapshot
 from graphopt.report import NodeChange, PassReport
 from graphopt.timing import compare_latency
 
-PRESETS: dict[Mode, tuple[str, ...]] = {
-    # sync points first, on the model as written; dropout before folding so BatchNorms behind
-    # a removed identity are seen by the folding pass; layout on the final set of convs, then the
-    # kernel choices that depend on the dtype and layout each value ends up with
-    "inference": (
-        "report_sync_points", "remove_dropout", "use_attention_kernel", "create_on_device", "as_tensor",
-        "remove_redundant_transfers", "fold_conv_bn", "fold_channel_scale", "to_channels_last", "use_global_pool_kernel",
-        "compute_in_place",
-    ),
-    "training": (
-        "report_sync_points", "use_attention_kernel", "create_on_device", "as_tensor", "remove_redundant_transfers",
-        "drop_conv_bias", "to_channels_last",
-    ),
-}
-# passes that must see the dtypes use_low_precision chooses: it goes in before the first of them
-_AFTER_PRECISION = ("to_channels_last", "use_global_pool_kernel", "compute_in_place")
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
+
+def preset(mode: Mode) -> tuple[str, ...]:
+    """The passes ``mode`` runs by default, in registry order."""
+    return tuple(name for name, info in REGISTRY.items() if mode in info.presets)
+
+
+PRESETS: dict[Mode, tuple[str, ...]] = {mode: preset(mode) for mode in MODES}
+
 __all__ = [
-    "PRESETS", "PassContext", "PassResult", "Verifier", "list_passes", "low_precision_position", "resolve_passes", "run_passes", "run_verified",
+    "PRESETS", "PassContext", "PassResult", "Verifier", "cpu_kernel_passes", "list_passes", "onnx_left_out", "onnx_refused",
+    "preset", "resolve_passes", "run_passes", "run_verified", "select_passes",
 ]  # fmt: skip
 
 
-def low_precision_position(names: Sequence[str]) -> int:
-    """Where use_low_precision goes in a list of pass names: after the exact rewrites, before layout and kernel choices."""
-    return next((i for i, name in enumerate(names) if name in _AFTER_PRECISION), len(names))
-
-
 def list_passes() -> list[PassInfo]:
-    """Every registered pass, in preset order, with its modes and one-line description."""
+    """Every registered pass, in run order, with its modes and one-line description."""
     return list(REGISTRY.values())
 
 
@@ -75,13 +67,17 @@ def _lookup(name: Any, option: str) -> PassInfo:
     return REGISTRY[name]
 
 
+def _check_lists(passes: Any, disable: Any) -> None:
+    if isinstance(passes, str) or isinstance(disable, str):
+        raise UnknownPassError(f"passes= and disable= take a list of pass names, e.g. passes=[{fold_conv_bn.__name__!r}]")
+
+
 def resolve_passes(mode: Mode, passes: Sequence[str] | None, disable: Iterable[str]) -> list[PassInfo]:
     """The passes to run: ``passes`` (in that order) or the mode's preset, minus ``disable``."""
-    if isinstance(passes, str) or isinstance(disable, str):
-        raise UnknownPassError("passes= and disable= take a list of pass names, e.g. passes=['fold_conv_bn']")
+    _check_lists(passes, disable)
     disabled = {_lookup(name, "disable").name for name in disable}
     if passes is None:
-        return [REGISTRY[name] for name in PRESETS[mode] if name not in disabled]
+        return [REGISTRY[name] for name in preset(mode) if name not in disabled]
     chosen = [_lookup(name, "passes") for name in passes]
     for info in chosen:
         if mode not in info.modes:
@@ -90,6 +86,60 @@ def resolve_passes(mode: Mode, passes: Sequence[str] | None, disable: Iterable[s
                 f"{info.description}. Remove it from passes= or call optimize(..., mode={info.modes[0]!r})"
             )
     return [info for info in chosen if info.name not in disabled]
+
+
+def select_passes(
+    mode: Mode, passes: Sequence[str] | None, disable: Iterable[str], *, preserve_layout: bool, low_precision: bool, fuse: str | None
+) -> list[PassInfo]:
+    """The passes an ``optimize`` call runs: the preset (or ``passes``) shaped by its memory-format, precision and fuse options.
+
+    ``preserve_layout``: memory_format="preserve" leaves out the `layout` passes; without
+    ``low_precision`` the `lowers_precision` pass is left out, with it (and no ``passes``)
+    it goes in at its registry place. ``runs_last`` passes move to the end; with ``fuse``
+    the ``fuse="without"`` passes are left out and, for region fusion, the
+    ``fuse="regions"`` pass is added.
+    """
+    _check_lists(passes, disable)
+    requested = set(passes or ())
+    disabled = list(disable)
+    for info in REGISTRY.values():
+        if info.layout and preserve_layout:
+            if info.name in requested:
+                raise InvalidOptionError(f"passes= asks for {info.name} but memory_format='preserve' forbids it: drop one of them")
+            disabled.append(info.name)
+        if info.lowers_precision and not low_precision:
+            if info.name in requested:
+                raise InvalidOptionError(f"passes= asks for {info.name} but precision='fp32': pass precision='bf16' or 'fp16'")
+            disabled.append(info.name)
+    infos = resolve_passes(mode, passes, disabled)
+    if passes is None and low_precision:
+        infos = [info for info in REGISTRY.values() if info in infos or (info.lowers_precision and info.name not in disabled)]
+    if fuse is not None:
+        infos = [info for info in infos if info.fuse != "without"]
+    if fuse in ("inductor", "torchscript"):
+        infos += [info for info in REGISTRY.values() if info.fuse == "regions" and info not in infos and info.name not in disabled]
+    ordered = [info for info in infos if not info.runs_last]
+    return ordered + [info for info in REGISTRY.values() if info.runs_last and info in infos]
+
+
+def cpu_kernel_passes(precision: str, layout: str) -> list[str]:
+    """The inference preset for ``precision`` and ``layout`` with the `cpu_kernels` passes: the fastest CPU configuration."""
+    return [
+        name
+        for name, info in REGISTRY.items()
+        if ("inference" in info.presets or info.cpu_kernels or (info.lowers_precision and precision != "fp32"))
+        and not (info.layout and layout != "channels_last")
+    ]
+
+
+def onnx_left_out() -> list[str]:
+    """The passes `export_onnx` leaves out: their result is CPU-specific or saves nothing outside PyTorch."""
+    return [name for name, info in REGISTRY.items() if info.onnx != "exported"]
+
+
+def onnx_refused() -> list[str]:
+    """The passes whose result ONNX cannot express: `export_onnx` refuses ``passes=`` that ask for them."""
+    return [name for name, info in REGISTRY.items() if info.onnx == "inexpressible"]
 
 
 def _node_changes(nodes: Iterable[fx.Node]) -> list[NodeChange]:
@@ -202,6 +252,8 @@ def run_passes(
             gm.graph.lint()
         except Exception as lint_error:  # a malformed graph is a graphopt bug: say which pass made it
             raise GraphoptError(f"pass {info.name!r} produced an invalid graph ({lint_error}); please report this") from lint_error
+        if report.state_changes and not info.changes_state:  # checkpoints rely on the registry's word
+            raise GraphoptError(f"pass {info.name!r} changed stored tensors, but its PassInfo says changes_state=False; please report this")
         after = set(gm.graph.nodes)
         report.created = _node_changes(node for node in gm.graph.nodes if node not in before_changes)
         report.erased = [before_changes[node] for node in before if node not in after]

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.pipeline import PRESETS, low_precision_position
+from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import TuneCandidate, TuneReport
 from graphopt.timing import median_latencies
 
@@ -61,14 +61,6 @@ class Candidate:
     compiles: bool = False
 
 
-def onednn_passes(precision: str, layout: str) -> list[str]:
-    """The inference preset for ``precision`` and ``layout``, ending with the oneDNN fused kernels."""
-    names = [name for name in PRESETS["inference"] if layout == "channels_last" or name != "to_channels_last"]
-    if precision != "fp32":
-        names.insert(low_precision_position(names), "use_low_precision")
-    return [*names, "use_onednn_kernels"]  # optimize runs compute_in_place after it
-
-
 def candidates(
     model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_precisions: list[str], budget_s: float, onednn: bool = False
 ) -> tuple[list[Candidate], list[TuneCandidate]]:
@@ -79,7 +71,8 @@ def candidates(
     preserve, oneDNN kernels before the same without them. Building stops when half the
     budget is spent, so on large models the cut drops the least promising candidates.
     ``onednn``: the model runs inference on a CPU with oneDNN, so each precision also gets
-    a candidate with `use_onednn_kernels` (fused, prepacked conv/linear kernels).
+    a candidate with the CPU-kernel passes (`graphopt.pipeline.cpu_kernel_passes`: oneDNN's fused,
+    prepacked conv/linear kernels).
     """
     has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
     layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
@@ -98,7 +91,7 @@ def candidates(
     for precision in reversed(precisions):
         for layout in reversed(layouts):
             if onednn and layout == layouts[-1] and "passes" not in fixed and "fuse" not in fixed:
-                built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": onednn_passes(precision, layout)}))
+                built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": cpu_kernel_passes(precision, layout)}))
             built.append(Candidate(f"{precision} {layout}", {"precision": precision, "memory_format": layout}))
     fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
     best_precision = precisions[-1]

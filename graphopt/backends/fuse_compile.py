@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.ops import interpreter_inputs, layout_of
-from graphopt.passes.extract_pointwise_regions import REGION_PREFIX
+from graphopt.passes.extract_pointwise_regions import REGION_PREFIX, extract_pointwise_regions
 from graphopt.report import FusionReport, RegionReport, target_name
 
 FUSE_BACKENDS = ("inductor", "torchscript", "graph")
@@ -254,7 +254,7 @@ def compile_regions(gm: fx.GraphModule, backend: str, example_inputs: tuple[Any,
     names = {str(node.target) for node in gm.graph.nodes if node.op == "call_module" and REGION_PREFIX in str(node.target)}
     names = {name for name in names if isinstance(gm.get_submodule(name), fx.GraphModule)}
     if not names:
-        report.notes.append("no pointwise regions to compile (see extract_pointwise_regions' skips)")
+        report.notes.append(f"no pointwise regions to compile (see {extract_pointwise_regions.__name__}' skips)")
         return report
     recorded = _record(gm, names, example_inputs, context)
     batch, note = _batch_positions(gm, names, example_inputs, recorded) if dynamic_batch else ({}, "")

@@ -1,8 +1,8 @@
-"""Export an optimized model to ONNX and check it with onnx.checker and onnxruntime.
+"""The ONNX backend: export a module with ``torch.onnx.export(..., dynamo=True)`` and check the file.
 
-``graphopt.export_onnx`` optimizes the model for inference (BatchNorm folded, dropout
-removed; the layout is kept, since ONNX has no memory format), exports the optimized
-graph with ``torch.onnx.export(..., dynamo=True)`` with a dynamic batch dimension, then:
+`graphopt.export_onnx` (`graphopt.export`) chooses what to export (the model optimized for
+inference, BatchNorm folded, dropout removed, the layout kept since ONNX has no memory
+format); `write_checked` exports it with a dynamic batch dimension, then:
 
 1. ``onnx.checker.check_model(path, full_check=True)``;
 2. runs onnxruntime on the example inputs and on a batch one larger, and compares with
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import io
 import os
 import tempfile
@@ -37,13 +36,10 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from graphopt.verify import compare
-from graphopt.api import OptimizedModule, optimize as optimize_model
-from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError, VerificationError
-from graphopt.passes.use_onednn_kernels import prepacked_modules
 from graphopt.report import Report
-from graphopt.validate import check_inputs, check_model, reference_run
+from graphopt.validate import reference_run
+from graphopt.verify import compare
 
 
 @dataclass
@@ -121,76 +117,35 @@ def _run_onnxruntime(path: Path, args: tuple[Any, ...]) -> list[torch.Tensor]:
         raise ExportError(f"onnxruntime could not run the exported model ({type(error).__name__}: {error})") from error
 
 
-@one_at_a_time
-def export_onnx(
-    model: nn.Module,
-    example_inputs: Any,
-    path: str | os.PathLike[str],
+def write_checked(
+    exported: nn.Module,
+    reference: nn.Module,
+    args: tuple[Any, ...],
+    destination: Path,
     *,
-    optimize: bool = True,
-    dynamic_batch: bool = True,
-    opset: int | None = None,
-    verify: bool = True,
-    overwrite: bool = False,
-    compare_plain: bool = True,
-    external_data: bool | None = None,
-    **optimize_options: Any,
+    dynamic_batch: bool,
+    opset: int | None,
+    verify: bool,
+    compute_dtype: torch.dtype | None,
+    plain: nn.Module | None,
+    external_data: bool | None,
+    name: str,
 ) -> ExportReport:
-    """Optimize ``model`` for inference, export it to ONNX at ``path``, and check the file.
+    """Export ``exported`` to ``destination`` once every check passed; ``reference`` gives the outputs to match.
 
-    ``optimize_options`` go to `graphopt.optimize` (``memory_format`` defaults to
-    ``"preserve"`` here, ``mode`` to ``"inference"``). An `OptimizedModule` with
-    ``optimize=False`` is exported as it is. ``external_data``: weights in a
-    ``<name>.data`` file (None: only for models over 2 GB). ``compare_plain``: also
-    export the original model plainly, for the node counts in the report. Raises `ExportError` when the exporter,
-    the checker or onnxruntime fails, `VerificationError` when onnxruntime's outputs
-    differ from PyTorch's.
+    ``plain``: also export this module plainly, for the node counts in the report (None: not compared).
+    ``name``: the model's class name, for error messages.
+    Raises `ExportError` when the exporter, the checker or onnxruntime fails, `VerificationError`
+    when onnxruntime's outputs differ from ``reference``'s; nothing is written then.
     """
     started = time.perf_counter()
-    check_model(model)
-    args = check_inputs(model, example_inputs)
-    destination = Path(path)
-    if destination.suffix != ".onnx":
-        raise ExportError(f"{destination} does not end in .onnx: name the file you want written, e.g. model.onnx")
-    existing = [p for p in (destination, destination.with_name(destination.name + ".data")) if p.exists()]
-    if existing and not overwrite:
-        raise ExportError(f"{existing[0]} exists: pass overwrite=True to replace it, or choose another path")
-    if not destination.parent.is_dir():
-        raise ExportError(f"folder {destination.parent} does not exist: create it first")
-    stores_bf16 = isinstance(model, OptimizedModule) and any(p.dtype == torch.bfloat16 for p in model.parameters())
-    if optimize_options.get("precision") == "bf16" or stores_bf16:
-        raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
-    if isinstance(model, OptimizedModule) and model.graphopt_report.mode != "inference":
-        raise ExportError("this module was optimized for training: ONNX export is for inference, optimize it with mode='inference'")
-    if prepacked_modules(model):
-        raise ExportError(
-            f"this module runs oneDNN kernels with prepacked weights ({', '.join(prepacked_modules(model)[:3])}, ...), which ONNX "
-            "cannot express: export the original model, or one optimized with graphopt.optimize(..., disable=['use_onednn_kernels'])"
-        )
-    if optimize and "use_onednn_kernels" in (optimize_options.get("passes") or ()):
-        raise ExportError("passes= asks for use_onednn_kernels, whose oneDNN kernels ONNX cannot express: leave it out")
-
-    # what onnxruntime must reproduce: the model in eval mode (the user's own stays as it is)
-    reference = model if isinstance(model, OptimizedModule) else copy.deepcopy(model).eval()
-    if optimize:
-        optimize_options.setdefault("memory_format", "preserve")
-        optimize_options.setdefault("mode", "inference")
-        # CPU-only kernels have no ONNX form; in-place writes save allocations in PyTorch only
-        optimize_options["disable"] = [*optimize_options.get("disable", ()), "use_onednn_kernels", "compute_in_place"]
-        optimized = optimize_model(model, args, dynamic_batch=dynamic_batch, verify=verify, **optimize_options)
-        exported, report = optimized.graph_module, optimized.graphopt_report
-    elif isinstance(model, OptimizedModule):
-        exported, report = model.graph_module, model.graphopt_report
-    else:
-        exported, report = model, None
-
     with tempfile.TemporaryDirectory(dir=destination.parent, prefix=f".{destination.name}.") as scratch:
         staged = Path(scratch) / destination.name
         try:
             _export(exported, args, staged, dynamic_batch, opset, external_data)
         except Exception as error:
             raise ExportError(
-                f"torch.onnx.export could not export {type(model).__name__} ({type(error).__name__}: "
+                f"torch.onnx.export could not export {name} ({type(error).__name__}: "
                 f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). Nothing was written."
             ) from error
         try:
@@ -202,7 +157,6 @@ def export_onnx(
         batch_sizes: list[int] = []
         max_error = 0.0
         if verify:
-            compute_dtype = {"fp16": torch.float16}.get(optimize_options.get("precision", "fp32"))
             for batch_args in (args, _larger_batch(args)) if dynamic_batch else (args,):
                 outputs = reference_run(reference, batch_args).outputs
                 expected = [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
@@ -217,12 +171,12 @@ def export_onnx(
                 batch_sizes.append(int(next(t for t in pytree.tree_leaves(batch_args) if isinstance(t, torch.Tensor)).shape[0]))
 
         plain_counts = None
-        if compare_plain and not isinstance(model, OptimizedModule):
-            plain = Path(scratch) / "plain" / destination.name
-            plain.parent.mkdir()
+        if plain is not None:
+            plain_path = Path(scratch) / "plain" / destination.name
+            plain_path.parent.mkdir()
             try:
-                _export(reference, args, plain, dynamic_batch, opset)
-                plain_counts = _node_counts(plain)[0]
+                _export(plain, args, plain_path, dynamic_batch, opset)
+                plain_counts = _node_counts(plain_path)[0]
             except Exception:  # the baseline is informative only: graphopt may export what plain export cannot
                 plain_counts = None
         files = []
@@ -240,6 +194,4 @@ def export_onnx(
         max_error=max_error,
         batch_sizes=batch_sizes,
         seconds=time.perf_counter() - started,
-        optimize_report=report,
     )
-

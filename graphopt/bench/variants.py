@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
-from graphopt.tuning import onednn_passes
+from graphopt.pipeline import cpu_kernel_passes
 
 Runner = Callable[[], Any]
 
@@ -196,9 +196,9 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         _graphopt_variant("graphopt", "graphopt fp32", memory_format="preserve"),
         _graphopt_variant("graphopt-cl", "graphopt fp32 + CL", memory_format="channels_last"),
         _graphopt_variant("graphopt-low-cl", f"graphopt {low} + CL", memory_format="channels_last", precision="low"),
-        _graphopt_variant("graphopt-cl-onednn", "graphopt fp32 + CL + oneDNN", memory_format="channels_last", passes=onednn_passes("fp32", "channels_last")),
+        _graphopt_variant("graphopt-cl-onednn", "graphopt fp32 + CL + oneDNN", memory_format="channels_last", passes=cpu_kernel_passes("fp32", "channels_last")),
         _graphopt_variant(
-            "graphopt-low-cl-onednn", f"graphopt {low} + CL + oneDNN", memory_format="channels_last", precision="low", passes=onednn_passes(low, "channels_last")
+            "graphopt-low-cl-onednn", f"graphopt {low} + CL + oneDNN", memory_format="channels_last", precision="low", passes=cpu_kernel_passes(low, "channels_last")
         ),
         _graphopt_variant("graphopt-cl-fuse", "graphopt fp32 + CL + fusion", memory_format="channels_last", fuse="inductor"),
         _graphopt_variant(

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 
 from graphopt.lint.core import Edit, Facts, Match, call_name, calls, constant_int, keyword, loader_setting, replace_node, rule
+from graphopt.passes.drop_conv_bias import drop_conv_bias
 
 _CONV = re.compile(r"Conv(Transpose)?[123]d")
 _BATCH_NORM = re.compile(r"BatchNorm[123]d")
@@ -78,11 +79,11 @@ def _bias_fix(conv: ast.Call, source: str) -> Edit | None:
     "just before it cancels out: it receives no gradient in training and only costs parameters, optimizer "
     "state, memory traffic and an extra add per element (the bias is folded into BatchNorm's running_mean "
     "in eval mode). Training from scratch with bias=False gives an equivalent model. For an already trained "
-    "model, graphopt.optimize's drop_conv_bias pass removes the bias exactly (it moves it into running_mean), "
+    "model, graphopt.optimize's " f"{drop_conv_bias.__name__} pass removes the bias exactly (it moves it into running_mean), "
     "which this source edit cannot: checkpoints saved with the bias no longer load with strict=True.",
     "Pass bias=False to the convolution (the fix applies it). To keep loading trained weights, leave the "
     'source as it is and let graphopt.optimize(model, inputs, mode="training") drop the bias (its '
-    "drop_conv_bias pass).",
+    f"{drop_conv_bias.__name__} pass).",
 )
 def conv_bias_before_bn(tree: ast.Module, facts: Facts) -> Iterator[Match]:
     for call in calls(tree):

@@ -1,13 +1,22 @@
-"""The pass registry: every pass graphopt can run, with its stable name and the modes it serves.
+"""The pass registry: every pass graphopt can run, and everything the rest of graphopt needs to know about it.
 
 Each pass lives in its own module of this package (named like the pass) and follows
-the contract in `graphopt.passes.base`. ``exact`` passes change numerics only by
-floating-point rounding and run by default; the others are opt-in.
+the contract in `graphopt.passes.base`. `PassInfo` is the ONE place where a pass's
+name and its metadata appear: the modes it serves, the presets that run it, how it
+orders against the others, whether it is exact, whether ONNX export keeps it, whether
+it changes stored tensors. `graphopt.pipeline` derives every pass list from it (the
+presets, the passes an ``optimize`` call runs, tune's candidates, ONNX export's subset,
+the benchmark's variants); no other module spells a pass name.
+
+``REGISTRY`` is in run order: a preset runs its passes in this order, and so does any
+list the pipeline builds (``passes=[...]`` keeps the caller's order, except for the
+passes marked ``runs_last``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from graphopt.passes.base import MODES, Mode, PassContext, PassFunction, PassResult
 from graphopt.passes.as_tensor import as_tensor
@@ -30,14 +39,23 @@ from graphopt.passes.use_onednn_kernels import use_onednn_kernels
 
 @dataclass(frozen=True)
 class PassInfo:
-    """A registered pass."""
+    """A registered pass and the facts about it that the pipeline, tune, ONNX export and the benchmark use."""
 
     name: str
     function: PassFunction
     modes: tuple[Mode, ...]
     description: str
-    exact: bool = True
-    measured: bool = False  # its benefit depends on model and hardware: kept only if measured faster when asked
+    presets: tuple[Mode, ...] = ()  # the mode presets that run it by default; otherwise it is opt-in
+    exact: bool = True  # changes numerics by rounding only; False: verified with the low dtype's tolerance
+    measured: bool = False  # its benefit depends on model and hardware: with memory_format="auto", kept only if measured faster
+    changes_state: bool = False  # rewrites stored tensors (values, shapes, dtypes or keys); see docs/writing-a-pass.md
+    layout: bool = False  # changes memory formats: memory_format="preserve" leaves it out
+    lowers_precision: bool = False  # runs exactly when optimize(precision=...) asks for bf16/fp16, before the layout passes
+    after_precision: bool = False  # must see the dtypes the precision pass chooses: runs after it
+    cpu_kernels: bool = False  # swaps ops for CPU-specific kernels: tune's "+ oneDNN" candidates and the benchmark add it
+    runs_last: bool = False  # runs after all others, whatever order passes= gives (in registry order among such passes)
+    fuse: Literal["any", "without", "regions"] = "any"  # "without": left out with optimize(fuse=...); "regions": makes the regions fuse= compiles
+    onnx: Literal["exported", "left out", "inexpressible"] = "exported"  # what export_onnx does with it: "inexpressible" is also refused in passes=
 
 
 REGISTRY: dict[str, PassInfo] = {
@@ -46,75 +64,126 @@ REGISTRY: dict[str, PassInfo] = {
         PassInfo(
             "report_sync_points",
             report_sync_points,
-            ("inference", "training"),
+            MODES,
             "list host synchronisation points in forward (.item(), .cpu(), .tolist(), data-dependent shapes) with source lines; report only",
+            presets=MODES,
         ),
-        PassInfo("create_on_device", create_on_device, ("inference", "training"), "create tensors with the device/dtype they are moved to, instead of creating and copying"),
-        PassInfo("as_tensor", as_tensor, ("inference", "training"), "torch.tensor(x) of a tensor in the graph becomes torch.as_tensor(x): no copy when dtype/device match"),
-        PassInfo(
-            "remove_redundant_transfers",
-            remove_redundant_transfers,
-            ("inference", "training"),
-            "remove no-op and round-trip .to()/.cpu()/.cuda() moves and casts; host-to-device copies made non_blocking",
-        ),
-        PassInfo("remove_dropout", remove_dropout, ("inference",), "remove dropout and identity ops that do nothing at inference"),
+        # dropout before folding, so that BatchNorms behind a removed identity are seen by fold_conv_bn
+        PassInfo("remove_dropout", remove_dropout, ("inference",), "remove dropout and identity ops that do nothing at inference", presets=("inference",)),
         PassInfo(
             "use_attention_kernel",
             use_attention_kernel,
-            ("inference", "training"),
+            MODES,
             "compute hand-written attention and nn.MultiheadAttention self-attention with F.scaled_dot_product_attention",
+            presets=MODES,
         ),
-        PassInfo("fold_conv_bn", fold_conv_bn, ("inference",), "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear"),
+        PassInfo(
+            "create_on_device",
+            create_on_device,
+            MODES,
+            "create tensors with the device/dtype they are moved to, instead of creating and copying",
+            presets=MODES,
+            changes_state=True,
+        ),
+        PassInfo(
+            "as_tensor", as_tensor, MODES, "torch.tensor(x) of a tensor in the graph becomes torch.as_tensor(x): no copy when dtype/device match", presets=MODES
+        ),
+        PassInfo(
+            "remove_redundant_transfers",
+            remove_redundant_transfers,
+            MODES,
+            "remove no-op and round-trip .to()/.cpu()/.cuda() moves and casts; host-to-device copies made non_blocking",
+            presets=MODES,
+        ),
+        PassInfo(
+            "fold_conv_bn",
+            fold_conv_bn,
+            ("inference",),
+            "fold eval-mode BatchNorm into the preceding conv/conv-transpose/linear",
+            presets=("inference",),
+            changes_state=True,
+        ),
         PassInfo(
             "fold_channel_scale",
             fold_channel_scale,
             ("inference",),
             "fold a stored per-channel scale of a conv/linear output (layer scale) into the weights",
+            presets=("inference",),
+            changes_state=True,
         ),
-        PassInfo("drop_conv_bias", drop_conv_bias, ("training", "inference"), "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)"),
         PassInfo(
-            "to_channels_last",
-            to_channels_last,
-            ("inference", "training"),
-            "run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it",
-            measured=True,
+            "drop_conv_bias",
+            drop_conv_bias,
+            ("training", "inference"),
+            "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)",
+            presets=("training",),
+            changes_state=True,
         ),
+        # after the exact rewrites, before the layout and kernel choices that depend on each value's dtype
         PassInfo(
             "use_low_precision",
             use_low_precision,
-            ("inference", "training"),
+            MODES,
             "run conv/linear/matmul/attention in bf16 or fp16 and sensitive ops in fp32 (optimize(precision=...))",
             exact=False,
+            changes_state=True,
+            lowers_precision=True,
+        ),
+        PassInfo(
+            "to_channels_last",
+            to_channels_last,
+            MODES,
+            "run 2-D/3-D convolutions in channels_last, converting layouts only where an op needs it",
+            presets=MODES,
+            measured=True,
+            layout=True,
+            after_precision=True,
         ),
         PassInfo(
             "use_global_pool_kernel",
             use_global_pool_kernel,
             ("inference",),
             "global average pooling of bf16/fp16 channels_last CPU tensors by ATen's pooling kernel instead of a float32 copy and mean",
-        ),
-        PassInfo(
-            "compute_in_place",
-            compute_in_place,
-            ("inference",),
-            "write add/mul/div into an operand that is not read again instead of allocating a new tensor (run last)",
-        ),
-        PassInfo(
-            "pad_channels",
-            pad_channels,
-            ("inference",),
-            "zero-pad conv/linear channel counts to multiples of 8 for fp16/bf16 tensor cores (exact; opt-in: passes=[...])",
-        ),
-        PassInfo(
-            "extract_pointwise_regions",
-            extract_pointwise_regions,
-            ("inference", "training"),
-            "gather connected pointwise ops into regions that optimize(fuse=...) compiles into one kernel each",
+            presets=("inference",),
+            after_precision=True,
         ),
         PassInfo(
             "use_onednn_kernels",
             use_onednn_kernels,
             ("inference",),
             "run conv/linear (+ activation, + residual add) as oneDNN fused CPU kernels with weights prepacked once",
+            changes_state=True,
+            after_precision=True,
+            cpu_kernels=True,
+            onnx="inexpressible",
+        ),
+        PassInfo(
+            "pad_channels",
+            pad_channels,
+            ("inference",),
+            "zero-pad conv/linear channel counts to multiples of 8 for fp16/bf16 tensor cores (exact; opt-in: passes=[...])",
+            changes_state=True,
+        ),
+        # in-place writes last: passes after it would not match a.add_(b) as an add; with fuse= the compiler plans the buffers
+        PassInfo(
+            "compute_in_place",
+            compute_in_place,
+            ("inference",),
+            "write add/mul/div into an operand that is not read again instead of allocating a new tensor (run last)",
+            presets=("inference",),
+            after_precision=True,
+            runs_last=True,
+            fuse="without",
+            onnx="left out",
+        ),
+        # regions last: they are made of the final graph's ops, and other passes do not look inside them
+        PassInfo(
+            "extract_pointwise_regions",
+            extract_pointwise_regions,
+            MODES,
+            "gather connected pointwise ops into regions that optimize(fuse=...) compiles into one kernel each",
+            runs_last=True,
+            fuse="regions",
         ),
     )
 }

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from graphopt.ops import arithmetic_operands, tensor_meta
 from graphopt.passes.base import PassContext, PassResult, finish
-from graphopt.passes.use_onednn_kernels import OneDNNConv, OneDNNLinear
+from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
 from graphopt.report import PassReport, describe
 
 aten = torch.ops.aten

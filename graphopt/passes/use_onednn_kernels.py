@@ -16,7 +16,7 @@ freezing does), and the pointwise ops run as oneDNN post-ops of the same kernel.
 The conv is computed by the same oneDNN primitive ATen uses, so float32 results match
 ATen's (linear: to float32 rounding); a fused add rounds bf16 once instead of twice.
 
-Each fused op becomes a call of a `OneDNNConv` / `OneDNNLinear` module holding the
+Each fused op becomes a call of a `OneDNNConv` / `OneDNNLinear` module (`graphopt.runtime.onednn`) holding the
 prepacked weight (an opaque mkldnn tensor, not a Parameter). It takes the place of the
 module that held the weights (the ``nn.Conv2d``, or export's holder), so names stay:
 
@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch.nn.modules.utils import _ntuple
 
 from graphopt import verify
@@ -61,21 +60,12 @@ from graphopt.ops import (
     weighted_op_view,
 )
 from graphopt.passes.base import PassContext, PassResult, finish
+from graphopt.runtime.onednn import NO_POST_OP, OneDNNConv, OneDNNLinear, PostOp, Prepacked
 from graphopt.report import PassReport, describe
 
 mkldnn = torch.ops.mkldnn
 _DTYPES = (torch.float32, torch.bfloat16)
 
-
-class PostOp(NamedTuple):
-    """A oneDNN eltwise post-op: its name, scalars and algorithm ("none" when no activation is fused)."""
-
-    attr: str = "none"
-    scalars: tuple[float, ...] = ()
-    algorithm: str = ""
-
-
-NO_POST_OP = PostOp()
 
 def _post_op(gm: fx.GraphModule, node: fx.Node) -> PostOp | None:
     """The oneDNN post-op computing activation ``node``, else None."""
@@ -92,114 +82,6 @@ def _post_op(gm: fx.GraphModule, node: fx.Node) -> PostOp | None:
     return PostOp("swish" if view.kind == "silu" else view.kind)
 
 
-class _Prepacked(nn.Module):
-    """A oneDNN op with a prepacked weight: dense in state_dict, deepcopy and pickles; packed when running."""
-
-    packed_weight: torch.Tensor
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, post_op: PostOp, binary: bool) -> None:
-        super().__init__()
-        if isinstance(bias, nn.Parameter) or bias is None:
-            self.register_parameter("bias", bias)
-        else:
-            self.register_buffer("bias", bias)
-        self.post_op, self.binary = post_op, binary
-        self.scalars = list(post_op.scalars)  # the kernels take a list: built once, not per call
-        self.pack(weight)
-
-    def pack(self, weight: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dense weight (unpacked on each access)."""
-        return self.packed_weight.to_dense()
-
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight  # first, like nn.Conv2d and nn.Linear
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        key = prefix + "weight"
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key not in state_dict:
-            missing_keys.append(key)
-        elif state_dict[key].shape != self.packed_weight.shape:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, the shape in current model is {tuple(self.packed_weight.shape)}.")
-        else:
-            self.pack(state_dict[key].detach().to(self.packed_weight.dtype))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["packed_weight"] = self.weight  # opaque mkldnn tensors can be neither copied nor pickled
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        dense = state.pop("packed_weight")
-        super().__setstate__(state)
-        self.pack(dense)
-
-
-class OneDNNConv(_Prepacked):
-    """conv2d/conv3d (+ add) (+ activation) by ``torch.ops.mkldnn._convolution_pointwise`` on a prepacked weight."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, padding: list[int], stride: list[int], dilation: list[int],
-        groups: int, input_size: list[int], post_op: PostOp = NO_POST_OP, binary: bool = False,
-    ) -> None:
-        self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
-        self.input_size = input_size  # oneDNN chooses the packed layout for this input shape; other shapes work too
-        super().__init__(weight, bias, post_op, binary)
-
-    def pack(self, weight: torch.Tensor) -> None:
-        self.packed_weight = mkldnn._reorder_convolution_weight(weight.detach(), self.padding, self.stride, self.dilation, self.groups, self.input_size)
-
-    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        attr, _, algorithm = self.post_op
-        if other is None:
-            return mkldnn._convolution_pointwise(x, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, attr, self.scalars, algorithm)
-        unary = None if attr == "none" else attr
-        return mkldnn._convolution_pointwise.binary(
-            x, other, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, "add", None, unary, self.scalars, algorithm or None
-        )
-
-    def extra_repr(self) -> str:
-        fused = [*(["add"] if self.binary else []), *([self.post_op.attr] if self.post_op.attr != "none" else [])]
-        return f"{tuple(self.packed_weight.shape)}, stride={self.stride}, padding={self.padding}, groups={self.groups}, fused={fused}"
-
-
-class OneDNNLinear(_Prepacked):
-    """linear (+ activation, or + add) by ``torch.ops.mkldnn._linear_pointwise`` on a prepacked weight."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, post_op: PostOp = NO_POST_OP, binary: bool = False) -> None:
-        self.rows = rows  # input rows (product of leading dims) the weight is packed for
-        super().__init__(weight, bias, post_op, binary)
-
-    def pack(self, weight: torch.Tensor) -> None:
-        self.packed_weight = mkldnn._reorder_linear_weight(weight.detach(), self.rows)
-
-    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        if other is None:
-            attr, _, algorithm = self.post_op
-            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, self.scalars, algorithm)
-        if other.shape[:-1] != x.shape[:-1]:
-            # the add broadcasts `other` (a (1, tokens, dim) table fitted a batch of 1 when this was planned):
-            # the fused kernel adds same-shape tensors only, so add after the kernel
-            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "") + other
-        return mkldnn._linear_pointwise.binary(x, other, self.packed_weight, self.bias, "add")
-
-    def extra_repr(self) -> str:
-        fused = [*(["add"] if self.binary else []), *([self.post_op.attr] if self.post_op.attr != "none" else [])]
-        return f"{tuple(self.packed_weight.shape)}, fused={fused}"
-
-
-def prepacked_modules(module: nn.Module) -> list[str]:
-    """Names of the submodules of ``module`` that run oneDNN kernels on prepacked weights."""
-    return [name for name, submodule in module.named_modules() if isinstance(submodule, _Prepacked)]
-
-
 @dataclass
 class _Fusion:
     """A conv/linear and the add/activation that may join it; settled on the example inputs."""
@@ -209,7 +91,7 @@ class _Fusion:
     other_index: int | None  # which argument of the add (nodes[1]) is the other operand
     post_op: PostOp
     values: dict[fx.Node, Any] = field(default_factory=dict)  # example values of the op's input, `other` and each node
-    module: _Prepacked | None = None
+    module: Prepacked | None = None
     length: int = 0  # how many of `nodes` the module replaces
     reason: str | None = None  # why the longest fusion (or any) was refused
 
@@ -285,7 +167,7 @@ def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> _F
     return _Fusion(view, nodes, other_index, post_op)
 
 
-def _build(fusion: _Fusion, length: int, x: torch.Tensor) -> _Prepacked:
+def _build(fusion: _Fusion, length: int, x: torch.Tensor) -> Prepacked:
     """The module running the first ``length`` nodes of ``fusion``, its weight packed for input ``x``."""
     view = fusion.view
     binary = length >= 2 and fusion.other is not None

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt.passes.compute_in_place import add_into, compute_in_place, div_into, mul_into
-from graphopt.tuning import onednn_passes
+from graphopt.pipeline import cpu_kernel_passes
 from tests.conftest import FRONTENDS, captured, context
 
 IN_PLACE = {add_into, mul_into, div_into}
@@ -366,7 +366,7 @@ def test_run_time_helpers_write_into_the_operand_only_when_it_holds_the_result(m
 def test_optimize_runs_it_last_and_keeps_onednn_residual_fusions() -> None:
     model = nn.Sequential(SqueezeExcitation("relu", modules=False), nn.Conv2d(8, 8, 1)).eval()
     x = torch.randn(2, 3, 16, 16)
-    asked_first = ["compute_in_place", *(name for name in onednn_passes("fp32", "channels_last") if name != "compute_in_place")]
+    asked_first = ["compute_in_place", *(name for name in cpu_kernel_passes("fp32", "channels_last") if name != "compute_in_place")]
     optimized = graphopt.optimize(model, (x,), memory_format="channels_last", passes=asked_first)
     assert [p.name for p in optimized.graphopt_report.passes][-2:] == ["use_onednn_kernels", "compute_in_place"]
     assert len(in_place_ops(optimized.graph_module)) == 1

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt import api
+from graphopt import precision
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import batch_norm_view, interpreter_inputs, precision_family
 from graphopt.passes.use_low_precision import CAST, DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
@@ -122,7 +122,7 @@ def test_works_with_folding_and_channels_last() -> None:
     assert_same_outputs(model, optimized, inputs, BF16_BOUND)
 
 
-@pytest.mark.skipif(not api._cpu_runs(torch.float16), reason="this CPU has no fp16 kernels (the error is tested below)")
+@pytest.mark.skipif(not precision.cpu_runs(torch.float16), reason="this CPU has no fp16 kernels (the error is tested below)")
 def test_fp16_on_cpu() -> None:
     model = REFERENCE_MODELS["transformer"].build().eval()
     inputs = (torch.randn(2, 3, 32, 32),)
@@ -193,7 +193,7 @@ def test_precision_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         graphopt.optimize(model, inputs, precision="bf16", low_precision_ops=["convolution"])
     with pytest.raises(graphopt.InvalidOptionError, match=r"\['linear'\] are in both"):
         graphopt.optimize(model, inputs, precision="bf16", fp32_ops=["linear"])
-    monkeypatch.setattr(api, "_cpu_runs", lambda dtype: False)
+    monkeypatch.setattr(precision, "cpu_runs", lambda dtype: False)
     with pytest.raises(graphopt.InvalidOptionError, match="this CPU has no fp16 convolution/matmul kernels"):
         graphopt.optimize(model, inputs, precision="fp16")
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import graphopt
 from graphopt.errors import ExportError, InvalidModelError
 from graphopt.ops import weighted_op_view
-from graphopt.passes.use_onednn_kernels import OneDNNConv, OneDNNLinear, use_onednn_kernels
+from graphopt.passes.use_onednn_kernels import use_onednn_kernels
+from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear, Prepacked
 from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
 
 onednn = importlib.import_module("graphopt.passes.use_onednn_kernels")  # the package attribute is the pass function
@@ -28,8 +29,8 @@ def channels_last(shape: tuple[int, ...]) -> torch.Tensor:
     return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d) if x.dim() in (4, 5) else x
 
 
-def prepacked(gm: fx.GraphModule) -> list[onednn._Prepacked]:
-    return [m for m in gm.modules() if isinstance(m, onednn._Prepacked)]
+def prepacked(gm: fx.GraphModule) -> list[Prepacked]:
+    return [m for m in gm.modules() if isinstance(m, Prepacked)]
 
 
 def convs_and_linears(gm: fx.GraphModule) -> list[fx.Node]:

@@ -1,0 +1,101 @@
+"""``graphopt.export_onnx``: options -> optimize for inference -> the ONNX backend, which writes a checked file.
+
+The model is optimized for inference with the passes whose result ONNX can express
+(`graphopt.pipeline.onnx_left_out` names the others), then `graphopt.backends.onnx_export`
+exports it, checks the file with onnx.checker and onnxruntime against the original model,
+and moves it into place only when every check passed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graphopt.api import optimize as optimize_model
+from graphopt.backends.onnx_export import ExportReport, write_checked
+from graphopt.capture import one_at_a_time
+from graphopt.errors import ExportError
+from graphopt.pipeline import onnx_left_out, onnx_refused
+from graphopt.runtime import OptimizedModule, prepacked_modules
+from graphopt.validate import check_inputs, check_model
+
+
+@one_at_a_time
+def export_onnx(
+    model: nn.Module,
+    example_inputs: Any,
+    path: str | os.PathLike[str],
+    *,
+    optimize: bool = True,
+    dynamic_batch: bool = True,
+    opset: int | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+    compare_plain: bool = True,
+    external_data: bool | None = None,
+    **optimize_options: Any,
+) -> ExportReport:
+    """Optimize ``model`` for inference, export it to ONNX at ``path``, and check the file.
+
+    ``optimize_options`` go to `graphopt.optimize` (``memory_format`` defaults to
+    ``"preserve"`` here, ``mode`` to ``"inference"``). An `OptimizedModule` with
+    ``optimize=False`` is exported as it is. ``external_data``: weights in a
+    ``<name>.data`` file (None: only for models over 2 GB). ``compare_plain``: also
+    export the original model plainly, for the node counts in the report. Raises `ExportError` when the exporter,
+    the checker or onnxruntime fails, `VerificationError` when onnxruntime's outputs
+    differ from PyTorch's.
+    """
+    started = time.perf_counter()
+    check_model(model)
+    args = check_inputs(model, example_inputs)
+    destination = Path(path)
+    if destination.suffix != ".onnx":
+        raise ExportError(f"{destination} does not end in .onnx: name the file you want written, e.g. model.onnx")
+    existing = [p for p in (destination, destination.with_name(destination.name + ".data")) if p.exists()]
+    if existing and not overwrite:
+        raise ExportError(f"{existing[0]} exists: pass overwrite=True to replace it, or choose another path")
+    if not destination.parent.is_dir():
+        raise ExportError(f"folder {destination.parent} does not exist: create it first")
+    stores_bf16 = isinstance(model, OptimizedModule) and any(p.dtype == torch.bfloat16 for p in model.parameters())
+    if optimize_options.get("precision") == "bf16" or stores_bf16:
+        raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
+    if isinstance(model, OptimizedModule) and model.graphopt_report.mode != "inference":
+        raise ExportError("this module was optimized for training: ONNX export is for inference, optimize it with mode='inference'")
+    if prepacked_modules(model):
+        raise ExportError(
+            f"this module runs oneDNN kernels with prepacked weights ({', '.join(prepacked_modules(model)[:3])}, ...), which ONNX "
+            f"cannot express: export the original model, or one optimized with graphopt.optimize(..., disable={onnx_refused()})"
+        )
+    refused = [name for name in onnx_refused() if name in (optimize_options.get("passes") or ())]
+    if optimize and refused:
+        raise ExportError(f"passes= asks for {', '.join(refused)}, whose kernels ONNX cannot express: leave it out")
+
+    # what onnxruntime must reproduce: the model in eval mode (the user's own stays as it is)
+    reference = model if isinstance(model, OptimizedModule) else copy.deepcopy(model).eval()
+    if optimize:
+        optimize_options.setdefault("memory_format", "preserve")
+        optimize_options.setdefault("mode", "inference")
+        # CPU-only kernels have no ONNX form; in-place writes save allocations in PyTorch only
+        optimize_options["disable"] = [*optimize_options.get("disable", ()), *onnx_left_out()]
+        optimized = optimize_model(model, args, dynamic_batch=dynamic_batch, verify=verify, **optimize_options)
+        exported, report = optimized.graph_module, optimized.graphopt_report
+    elif isinstance(model, OptimizedModule):
+        exported, report = model.graph_module, model.graphopt_report
+    else:
+        exported, report = model, None
+
+    compute_dtype = {"fp16": torch.float16}.get(optimize_options.get("precision", "fp32"))
+    plain = reference if compare_plain and not isinstance(model, OptimizedModule) else None
+    written = write_checked(
+        exported, reference, args, destination, dynamic_batch=dynamic_batch, opset=opset, verify=verify, compute_dtype=compute_dtype,
+        plain=plain, external_data=external_data, name=type(model).__name__,
+    )  # fmt: skip
+    written.optimize_report = report
+    written.seconds = time.perf_counter() - started
+    return written

@@ -1,0 +1,180 @@
+"""`OptimizedModule`: what `graphopt.optimize` hands back, and how it behaves at run time.
+
+It owns the run-time side of an optimized model: the input guard (`InputSignature`),
+the autograd mode forward runs in (``torch.inference_mode`` unless the graph writes
+stored state), refusing mode switches that would compute wrongly, and checkpoints in the
+original model's keys (`graphopt.checkpoint`). It shares the graph's parameters and
+submodules directly, so ``state_dict()`` keys are the model's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
+from graphopt.errors import CheckpointError, ModeSwitchError
+from graphopt.inputs import InputSignature
+from graphopt.ops import get_attr, writes_in_place
+from graphopt.report import Report
+
+
+def updates_state(gm: fx.GraphModule) -> bool:
+    """Whether running the graph writes to stored tensors (an in-place op on an input read from an attribute)."""
+    return any(writes_in_place(gm, node) and any(arg.op == "get_attr" for arg in node.all_input_nodes) for node in gm.graph.nodes)
+
+
+class OptimizedModule(nn.Module):
+    """The module `optimize` returns: the optimized graph, its report, and mode guards.
+
+    - ``graphopt_report``: the `Report` of what was done.
+    - ``graph_module``: the optimized ``torch.fx.GraphModule`` (also ``.graph``, ``.code``).
+    - ``input_signature``: the calls it accepts (`graphopt.inputs.InputSignature`): the
+      example's dtypes, devices, ranks and sizes, the batch size free where a second batch
+      size was verified. Other calls raise `InputMismatchError` before the graph runs.
+    - Inference: forward runs under ``torch.inference_mode()`` (``inference_mode`` is
+      True), whose outputs are inference tensors: they cannot be saved for backward
+      (e.g. as distillation targets) or updated in place later. Set
+      ``module.inference_mode = False`` to run under ``torch.no_grad()`` instead; that is
+      the default when the graph writes stored state.
+    - ``fuse="graph"``: forward runs the torch.compile'd graph (``graph_module`` stays the
+      eager graph, for export and inspection).
+    - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
+      removed dropout would train wrongly); a graph captured by torch.export has its
+      train/eval behaviour fixed, so switching its mode raises too.
+    - Checkpoints: ``parameter_map`` says what became of each original key that a pass
+      removed or rewrote; ``load_original_state_dict`` loads a checkpoint of the original
+      model (re-applying the passes' changes); ``original_state_dict`` gives this
+      module's state with the original model's keys (see `graphopt.checkpoint`).
+    """
+
+    graph_module: fx.GraphModule
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        report: Report,
+        runner: nn.Module | None = None,
+        original_keys: Iterable[str] = (),
+        signature: InputSignature | None = None,
+    ) -> None:
+        super().__init__()
+        # Share, don't register: registering would prefix every state_dict key with "graph_module.".
+        object.__setattr__(self, "graph_module", graph_module)
+        object.__setattr__(self, "_runner", runner if runner is not None else graph_module)
+        self._modules = graph_module._modules
+        self._parameters = graph_module._parameters
+        self._buffers = graph_module._buffers
+        self._non_persistent_buffers_set = graph_module._non_persistent_buffers_set
+        self.graphopt_report = report
+        self.training = report.mode == "training"
+        self.inference_mode = report.mode == "inference" and not updates_state(graph_module)
+        self.original_keys = tuple(original_keys)  # the original model's state_dict keys, in its order
+        self.input_signature = signature  # the calls the graph accepts (None: not checked)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def code(self) -> str:
+        return self.graph_module.code
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.input_signature is not None:
+            args = self.input_signature.bind(args, kwargs)
+            self.input_signature.check(args)
+            kwargs = {}
+        if self.graphopt_report.mode == "training":
+            return self._runner(*args, **kwargs)
+        with torch.inference_mode() if self.inference_mode else torch.no_grad():
+            return self._runner(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        report = self.graphopt_report
+        if mode and report.mode == "inference":
+            raise ModeSwitchError(
+                "this module was optimized for inference (BatchNorm folded into convs, dropout removed): training it "
+                "would be wrong. Optimize the original model with graphopt.optimize(model, inputs, mode='training') "
+                "to train, and keep this one for inference."
+            )
+        if report.frontend == "export" and mode != (report.mode == "training"):
+            raise ModeSwitchError(
+                f"this module was captured by torch.export in {report.mode} mode, which fixes train/eval behaviour in "
+                "the graph: .train()/.eval() cannot change it. Optimize the original model again for the other mode, "
+                "or use frontend='fx' when the model traces with it."
+            )
+        return super().train(mode)
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 values of the weights stored in low precision for inference (empty otherwise), by name."""
+        return dict(self.graph_module.meta.get("graphopt_fp32_weights", {}))
+
+    @property
+    def state_changes(self) -> list[StateChange]:
+        """The changes the passes made to stored tensors, in the order they made them."""
+        return [change for report in self.graphopt_report.passes for change in report.state_changes]
+
+    @property
+    def parameter_map(self) -> dict[str, str]:
+        """Each original state_dict key a pass removed or rewrote, with what became of it; other keys are unchanged."""
+        mapping = key_map(self.state_changes)
+        for name, value in self.graph_module.meta.get("graphopt_fp32_weights", {}).items():
+            stored = f"stored in {str(get_attr(self.graph_module, name).dtype).removeprefix('torch.')} (fp32 value: fp32_weights())"
+            mapping[name] = f"{mapping[name]}; {stored}" if name in mapping else stored
+        return mapping
+
+    def load_original_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a checkpoint of the original model, folding and dropping as the passes did.
+
+        Keys are checked against the original model's: a missing or unexpected key raises
+        `CheckpointError`. Tensors that forward never reads (not part of the graph) are ignored.
+        """
+        if self.original_keys and set(state_dict) != set(self.original_keys):
+            missing, unexpected = sorted(set(self.original_keys) - set(state_dict)), sorted(set(state_dict) - set(self.original_keys))
+            raise CheckpointError(
+                f"this is not a state_dict of the model that was optimized: missing keys {missing[:5]}, unexpected keys "
+                f"{unexpected[:5]}. Pass original_model.state_dict(); for this module's own keys use load_state_dict()."
+            )
+        own = self.state_dict()
+        advice = "pass the state_dict of the model that was optimized, built with the same configuration"
+        try:
+            converted = to_optimized(state_dict, self.state_changes)
+        except RuntimeError as error:  # shapes the folding math cannot combine
+            raise CheckpointError(f"the checkpoint's tensors do not fit this model ({error}): {advice}") from error
+        mismatched = [
+            f"{key} {tuple(converted[key].shape)} instead of {tuple(value.shape)}"
+            for key, value in own.items()
+            if key in converted and converted[key].shape != value.shape
+        ]
+        if mismatched:  # checked before anything is loaded: a refused checkpoint leaves the module as it was
+            raise CheckpointError(f"the checkpoint's tensors do not fit this model ({', '.join(mismatched[:3])}): {advice}")
+        self.load_state_dict({key: value for key, value in converted.items() if key in own})
+        fp32_weights = self.graph_module.meta.get("graphopt_fp32_weights", {})
+        for name in fp32_weights.keys() & converted.keys():  # the fp32 values behind the low-precision copies just loaded
+            fp32_weights[name] = converted[name].detach().clone()
+
+    def original_state_dict(self) -> dict[str, torch.Tensor]:
+        """This module's state with the original model's keys, for ``original_model.load_state_dict``.
+
+        Exact for dropped biases (they come back as zeros, an equivalent model in train and
+        eval mode); a folded BatchNorm comes back as an identity BatchNorm after the folded
+        conv, equivalent in eval mode only. Weights stored in low precision come back in fp32.
+        """
+        state = {key: value.detach().clone() for key, value in self.state_dict().items()}
+        for name, value in self.fp32_weights().items():
+            if name not in state:
+                continue  # a constant, not part of the state
+            unchanged = torch.equal(value.to(state[name].dtype), state[name])
+            state[name] = value.clone() if unchanged else state[name].to(value.dtype)
+        original = to_original(state, self.state_changes)
+        if not self.original_keys:
+            return original
+        return {key: original[key] for key in self.original_keys if key in original}
+
+    def extra_repr(self) -> str:
+        return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"

@@ -1,0 +1,134 @@
+"""oneDNN modules the optimized graph calls at run time: conv/linear with a weight prepacked once, post-ops fused.
+
+`use_onednn_kernels` (the pass) plans the fusions and puts these modules in the graph;
+this module owns what runs afterwards: the kernel calls, and how a prepacked weight
+behaves in ``state_dict()`` (dense ``<path>.weight``), ``load_state_dict`` (repacked),
+``copy.deepcopy`` and pickling (dense weight stored, repacked on load).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+mkldnn = torch.ops.mkldnn
+
+
+class PostOp(NamedTuple):
+    """A oneDNN eltwise post-op: its name, scalars and algorithm ("none" when no activation is fused)."""
+
+    attr: str = "none"
+    scalars: tuple[float, ...] = ()
+    algorithm: str = ""
+
+
+NO_POST_OP = PostOp()
+
+class Prepacked(nn.Module):
+    """A oneDNN op with a prepacked weight: dense in state_dict, deepcopy and pickles; packed when running."""
+
+    packed_weight: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, post_op: PostOp, binary: bool) -> None:
+        super().__init__()
+        if isinstance(bias, nn.Parameter) or bias is None:
+            self.register_parameter("bias", bias)
+        else:
+            self.register_buffer("bias", bias)
+        self.post_op, self.binary = post_op, binary
+        self.scalars = list(post_op.scalars)  # the kernels take a list: built once, not per call
+        self.pack(weight)
+
+    def pack(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight (unpacked on each access)."""
+        return self.packed_weight.to_dense()
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight  # first, like nn.Conv2d and nn.Linear
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        key = prefix + "weight"
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            missing_keys.append(key)
+        elif state_dict[key].shape != self.packed_weight.shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, the shape in current model is {tuple(self.packed_weight.shape)}.")
+        else:
+            self.pack(state_dict[key].detach().to(self.packed_weight.dtype))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["packed_weight"] = self.weight  # opaque mkldnn tensors can be neither copied nor pickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        dense = state.pop("packed_weight")
+        super().__setstate__(state)
+        self.pack(dense)
+
+
+class OneDNNConv(Prepacked):
+    """conv2d/conv3d (+ add) (+ activation) by ``torch.ops.mkldnn._convolution_pointwise`` on a prepacked weight."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, padding: list[int], stride: list[int], dilation: list[int],
+        groups: int, input_size: list[int], post_op: PostOp = NO_POST_OP, binary: bool = False,
+    ) -> None:
+        self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
+        self.input_size = input_size  # oneDNN chooses the packed layout for this input shape; other shapes work too
+        super().__init__(weight, bias, post_op, binary)
+
+    def pack(self, weight: torch.Tensor) -> None:
+        self.packed_weight = mkldnn._reorder_convolution_weight(weight.detach(), self.padding, self.stride, self.dilation, self.groups, self.input_size)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        attr, _, algorithm = self.post_op
+        if other is None:
+            return mkldnn._convolution_pointwise(x, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, attr, self.scalars, algorithm)
+        unary = None if attr == "none" else attr
+        return mkldnn._convolution_pointwise.binary(
+            x, other, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, "add", None, unary, self.scalars, algorithm or None
+        )
+
+    def extra_repr(self) -> str:
+        fused = [*(["add"] if self.binary else []), *([self.post_op.attr] if self.post_op.attr != "none" else [])]
+        return f"{tuple(self.packed_weight.shape)}, stride={self.stride}, padding={self.padding}, groups={self.groups}, fused={fused}"
+
+
+class OneDNNLinear(Prepacked):
+    """linear (+ activation, or + add) by ``torch.ops.mkldnn._linear_pointwise`` on a prepacked weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, post_op: PostOp = NO_POST_OP, binary: bool = False) -> None:
+        self.rows = rows  # input rows (product of leading dims) the weight is packed for
+        super().__init__(weight, bias, post_op, binary)
+
+    def pack(self, weight: torch.Tensor) -> None:
+        self.packed_weight = mkldnn._reorder_linear_weight(weight.detach(), self.rows)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        if other is None:
+            attr, _, algorithm = self.post_op
+            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, self.scalars, algorithm)
+        if other.shape[:-1] != x.shape[:-1]:
+            # the add broadcasts `other` (a (1, tokens, dim) table fitted a batch of 1 when this was planned):
+            # the fused kernel adds same-shape tensors only, so add after the kernel
+            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "") + other
+        return mkldnn._linear_pointwise.binary(x, other, self.packed_weight, self.bias, "add")
+
+    def extra_repr(self) -> str:
+        fused = [*(["add"] if self.binary else []), *([self.post_op.attr] if self.post_op.attr != "none" else [])]
+        return f"{tuple(self.packed_weight.shape)}, fused={fused}"
+
+
+def prepacked_modules(module: nn.Module) -> list[str]:
+    """Names of the submodules of ``module`` that run oneDNN kernels on prepacked weights."""
+    return [name for name, submodule in module.named_modules() if isinstance(submodule, Prepacked)]
