@@ -32,8 +32,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,7 +40,8 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.ops import interpreter_inputs, layout_of
+from graphopt.ops import layout_of, record
+from graphopt.ops.record import RunContext
 from graphopt.passes.extract_pointwise_regions import REGION_PREFIX, extract_pointwise_regions
 from graphopt.report import FusionReport, RegionReport, target_name
 
@@ -123,28 +123,16 @@ class FusedRegion(nn.Module):
         return state
 
 
-class _RegionInputs(fx.Interpreter):
-    """Runs the graph and records the arguments each region is called with."""
-
-    def __init__(self, gm: fx.GraphModule, regions: set[str]) -> None:
-        super().__init__(gm)
-        self.regions = regions
-        self.arguments: dict[str, tuple[Any, ...]] = {}
-
-    def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if target in self.regions:
-            self.arguments[target] = args
-        return super().call_module(target, args, kwargs)
-
-
-RunContext = Callable[[], AbstractContextManager[Any]]  # the autograd mode forward runs in: torch.inference_mode, ...
-
-
 def _record(gm: fx.GraphModule, regions: set[str], args: tuple[Any, ...], context: RunContext) -> dict[str, tuple[Any, ...]]:
-    recorder = _RegionInputs(gm, regions)
-    with verify.isolated(gm), context():
-        recorder.run(*interpreter_inputs(gm, args))
-    return recorder.arguments
+    """Run the graph and record the arguments each region is called with."""
+    arguments: dict[str, tuple[Any, ...]] = {}
+
+    def keep_arguments(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> None:
+        if node.op == "call_module" and node.target in regions:
+            arguments[str(node.target)] = fx.node.map_arg(node.args, values.__getitem__)
+
+    record(gm, args, keep_arguments, context)
+    return arguments
 
 
 def _grown_batch(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -39,9 +39,8 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
-from graphopt import verify
 from graphopt.ops import (
-    WeightedOpView, dropout_view, get_attr, insert_reader, interpreter_inputs, is_permute, is_reshape, layout_of, tensor_meta, weighted_op_view,
+    Recorder, WeightedOpView, dropout_view, get_attr, insert_reader, is_permute, is_reshape, layout_of, tensor_meta, weighted_op_view,
 )
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
@@ -50,7 +49,7 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 CONVERSION = "graphopt_layout_conversion"  # node.meta key marking the conversions this pass inserts
 
 
-class _LayoutPlanner(fx.Interpreter):
+class _LayoutPlanner(Recorder):
     """Runs the graph, records each value's layout, and plans the conversions convs and reshapes need.
 
     A planned conversion is simulated for the consuming op only, exactly as the rewrite
@@ -90,8 +89,7 @@ class _LayoutPlanner(fx.Interpreter):
 
 def _plan(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int]) -> _LayoutPlanner:
     planner = _LayoutPlanner(gm, conv_ranks)
-    with verify.isolated(gm):
-        planner.run(*interpreter_inputs(gm, args))
+    planner.run_on(args)
     return planner
 
 

@@ -21,6 +21,7 @@ to_channels_last: those decide the dtype and layout the pool sees.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,8 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphopt import verify
-from graphopt.ops import interpreter_inputs, layout_of
+from graphopt.ops import layout_of, record
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -53,19 +53,6 @@ def _global_pool_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     return source
 
 
-class _PooledValues(fx.Interpreter):
-    """Records the value each global pool reads on the example inputs."""
-
-    def __init__(self, gm: fx.GraphModule, pools: dict[fx.Node, fx.Node]) -> None:
-        super().__init__(gm)
-        self.pools, self.seen = pools, {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n in self.pools:
-            self.seen[n] = self.env[self.pools[n]]
-        return super().run_node(n)
-
-
 def _guard(value: Any) -> str | None:
     """Why pooling ``value`` through the kernel would not pay, or None."""
     if not isinstance(value, torch.Tensor) or value.dim() != 4:
@@ -85,11 +72,15 @@ def use_global_pool_kernel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     pools = {node: source for node in gm.graph.nodes if (source := _global_pool_input(gm, node)) is not None}
     if not pools:
         return finish(gm, False, report)
-    recorder = _PooledValues(gm, pools)
-    with verify.isolated(gm), torch.no_grad():
-        recorder.run(*interpreter_inputs(gm, ctx.example_inputs))
+    pooled: dict[fx.Node, Any] = {}  # the value each pool reads on the example inputs
+
+    def keep_pooled(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> None:
+        if node in pools:
+            pooled[node] = values[pools[node]]
+
+    record(gm, ctx.example_inputs, keep_pooled)
     for node, source in pools.items():
-        reason = _guard(recorder.seen.get(node))
+        reason = _guard(pooled.get(node))
         if reason is not None:
             report.skip(node, reason)
             continue

@@ -39,8 +39,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from graphopt import verify
-from graphopt.ops import batch_norm_view, get_attr, insert_reader, interpreter_inputs, precision_family, replace_tensor, weighted_op_view
+from graphopt.ops import Recorder, batch_norm_view, get_attr, insert_reader, precision_family, record, replace_tensor, weighted_op_view
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -70,7 +69,7 @@ def _reads_fp32_parameters(gm: fx.GraphModule, node: fx.Node) -> bool:
     return any(arg.op == "get_attr" and _floating(get_attr(gm, str(arg.target))) and get_attr(gm, str(arg.target)).dtype == torch.float32 for arg in node.all_input_nodes)
 
 
-class _PrecisionPlanner(fx.Interpreter):
+class _PrecisionPlanner(Recorder):
     """Runs the graph with planned casts applied to each op's inputs, records dtypes, FLOPs and casts."""
 
     def __init__(self, gm: fx.GraphModule, wanted: dict[fx.Node, torch.dtype], low: torch.dtype) -> None:
@@ -144,17 +143,12 @@ class _PrecisionPlanner(fx.Interpreter):
         self.flops["low" if result.dtype in _LOW else "fp32"] += flops
 
 
-def _run(planner: fx.Interpreter, gm: fx.GraphModule, args: tuple[Any, ...]) -> Any:
-    with verify.isolated(gm):
-        return planner.run(*interpreter_inputs(gm, args))
-
-
 def use_low_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Cast compute-heavy ops to ``ctx.precision``, keep sensitive ops in fp32, restore output dtypes."""
     report = PassReport("use_low_precision")
     low = ctx.precision
     assert low is not None, "use_low_precision needs optimize(..., precision='bf16' or 'fp16')"
-    original_outputs = [leaf.dtype if _floating(leaf) else None for leaf in pytree.tree_leaves(_run(fx.Interpreter(gm), gm, ctx.example_inputs))]
+    original_outputs = [leaf.dtype if _floating(leaf) else None for leaf in pytree.tree_leaves(record(gm, ctx.example_inputs))]
 
     wanted: dict[fx.Node, torch.dtype] = {}
     for node in list(gm.graph.nodes):
@@ -177,7 +171,7 @@ def use_low_precision(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         _store_weights_in_low_precision(gm, wanted, low, report)
 
     planner = _PrecisionPlanner(gm, wanted, low)
-    _run(planner, gm, ctx.example_inputs)
+    planner.run_on(ctx.example_inputs)
     for (value, dtype), readers in planner.casts.items():
         cast = insert_reader(gm, value, "to", (dtype,), {}, readers, CAST)
         direction = "to fp32 for" if dtype == torch.float32 else f"to {str(low).removeprefix('torch.')} for"
@@ -212,7 +206,7 @@ def _store_weights_in_low_precision(gm: fx.GraphModule, wanted: dict[fx.Node, to
 
 def _restore_output_dtypes(gm: fx.GraphModule, args: tuple[Any, ...], original: list[torch.dtype | None], report: PassReport) -> None:
     """Cast each output back to the dtype the model returned."""
-    outputs = pytree.tree_leaves(_run(fx.Interpreter(gm), gm, args))
+    outputs = pytree.tree_leaves(record(gm, args))
     output = next(node for node in gm.graph.nodes if node.op == "output")
     done: set[fx.Node] = set()
     for leaf, value, dtype in zip(pytree.tree_leaves(output.args), outputs, original, strict=True):

@@ -41,6 +41,7 @@ An activation or an add is fused only when it is the conv/linear output's only r
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +55,8 @@ from graphopt.ops import (
     WeightedOpView,
     activation_view,
     arithmetic_operands,
-    interpreter_inputs,
     layout_key,
+    record,
     set_attr,
     weighted_op_view,
 )
@@ -220,27 +221,24 @@ def _settle(fusion: _Fusion) -> None:
     fusion.reason = reason
 
 
-class _Trial(fx.Interpreter):
-    """Runs the graph on the example inputs and settles each fusion with the values its nodes see."""
+def _trial(gm: fx.GraphModule, fusions: list[_Fusion], args: tuple[Any, ...]) -> None:
+    """Run the graph on the example inputs and settle each fusion with the values its nodes see."""
+    fusion_of = {node: fusion for fusion in fusions for node in fusion.nodes}
 
-    def __init__(self, gm: fx.GraphModule, fusions: list[_Fusion]) -> None:
-        super().__init__(gm)
-        self.fusion_of = {node: fusion for fusion in fusions for node in fusion.nodes}
+    def keep_values(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> None:
+        fusion = fusion_of.get(node)
+        if fusion is None:
+            return
+        for arg in (fusion.view.input, fusion.other):
+            if arg in node.all_input_nodes:
+                fusion.values.setdefault(arg, values[arg])
+        # a later in-place activation may overwrite this value: keep a copy
+        fusion.values[node] = result.clone() if isinstance(result, torch.Tensor) and node is not fusion.nodes[-1] else result
+        if node is fusion.nodes[-1]:
+            _settle(fusion)
+            fusion.values.clear()
 
-    def run_node(self, n: fx.Node) -> Any:
-        fusion = self.fusion_of.get(n)
-        if fusion is not None:
-            for arg in (fusion.view.input, fusion.other):
-                if arg in n.all_input_nodes:
-                    fusion.values.setdefault(arg, self.env[arg])
-        result = super().run_node(n)
-        if fusion is not None:
-            # a later in-place activation may overwrite this value: keep a copy
-            fusion.values[n] = result.clone() if isinstance(result, torch.Tensor) and n is not fusion.nodes[-1] else result
-            if n is fusion.nodes[-1]:
-                _settle(fusion)
-                fusion.values.clear()
-        return result
+    record(gm, args, keep_values)
 
 
 def _module_path(gm: fx.GraphModule, view: WeightedOpView) -> str:
@@ -286,8 +284,7 @@ def use_onednn_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         fusions.append(fusion)
     if not fusions:
         return finish(gm, False, report)
-    with verify.isolated(gm), torch.no_grad():
-        _Trial(gm, fusions).run(*interpreter_inputs(gm, ctx.example_inputs))
+    _trial(gm, fusions, ctx.example_inputs)
 
     dropped: list[str] = []
     counts = {"conv": 0, "linear": 0, "add": 0, "activation": 0}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphopt import verify
-from graphopt.ops import called_module, factory_view, get_attr, interpreter_inputs, is_metadata_check, transfer_view, writes_in_place
+from graphopt.ops import called_module, factory_view, get_attr, is_metadata_check, record, transfer_view, writes_in_place
 
 
 @dataclass(frozen=True)
@@ -36,17 +36,12 @@ def example_values(gm: fx.GraphModule, args: tuple[Any, ...]) -> dict[fx.Node, T
     """Dtype and device of each tensor-valued node when ``gm`` runs on ``args`` (empty when it cannot run)."""
     values: dict[fx.Node, TensorValue] = {}
 
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            result = super().run_node(n)
-            if isinstance(result, torch.Tensor):
-                values[n] = TensorValue(result.dtype, result.device)
-            return result
+    def keep_tensor_value(node: fx.Node, result: Any, _: Mapping[fx.Node, Any]) -> None:
+        if isinstance(result, torch.Tensor):
+            values[node] = TensorValue(result.dtype, result.device)
 
-    if not args:
-        return values
-    with verify.isolated(gm):
-        Recorder(gm).run(*interpreter_inputs(gm, args))
+    if args:
+        record(gm, args, keep_tensor_value)
     return values
 
 
