@@ -1,4 +1,4 @@
-"""``graphopt.optimize``: options -> capture -> verified passes -> the module handed back.
+"""``graphopt.optimize``: options -> capture -> verified passes -> backends -> the `OptimizedModule` handed back.
 
 The user's model is deep-copied once, at entry, and never touched again. The returned
 `OptimizedModule` shares the optimized graph's parameters and submodules directly (no
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch

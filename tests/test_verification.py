@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt.verify import compare, run_reference
-from tests.conftest import FRONTENDS, assert_same_outputs, assert_trains_like
+from tests.conftest import FRONTENDS, assert_trains_like
 
 
 def _line(function: object, text: str) -> int:

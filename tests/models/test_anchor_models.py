@@ -12,7 +12,7 @@ from torch import nn
 
 import graphopt
 from graphopt.models import ANCHOR_MODELS, anchors
-from tests.conftest import FRONTENDS, relative_error
+from tests.conftest import relative_error
 
 PARAMETER_COUNTS = {  # torchvision's, for num_classes=1000
     "resnet50": 25_557_032,
