@@ -1,12 +1,16 @@
 """The ``graphopt`` command line.
 
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
+    graphopt optimize path/to/net.py:build --input 8x3x224x224   (MODULE may also be a module of the current folder)
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
     graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html]
     graphopt lint train.py [--fix] [--format json]
     graphopt demo [--model resnet]
     graphopt bench [--models reference|anchors|NAME,...|MODULE:FACTORY] [--quick] [--output-dir DIR]
     graphopt passes
+    graphopt --version
+
+Errors name the command's options (``--overwrite``), not the library's (``overwrite=True``).
 """
 
 from __future__ import annotations
@@ -15,16 +19,21 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import importlib.util
 import json
+import os
+import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from graphopt import __version__
 from graphopt.api import MEMORY_FORMATS, optimize
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.export import export_onnx
@@ -39,7 +48,8 @@ from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
 from graphopt.models import REFERENCE_MODELS, get_reference_model
-from graphopt.pipeline import list_passes
+from graphopt.passes import REGISTRY, PassInfo
+from graphopt.pipeline import list_passes, preset
 from graphopt.precision import PRECISIONS
 from graphopt.runtime import OptimizedModule
 
@@ -75,13 +85,36 @@ def parse_input_spec(spec: str, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 8, shape, generator=generator, dtype=dtype)
 
 
+def _import(module_name: str) -> ModuleType:
+    """The module named ``module_name`` (importable from the current folder too) or at path ``module_name`` (a .py file)."""
+    path = Path(module_name)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise UsageError(f"{module_name} is not a file: name a Python file that builds the model, e.g. models/net.py:build")
+        name = path.stem if path.stem not in sys.modules else f"graphopt_factory_{path.stem}"  # never shadow a module
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # the file's own imports of its neighbours
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        spec.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `graphopt optimize net:build` in the folder of net.py, as `python -c` would
+    return importlib.import_module(module_name)
+
+
 def load_factory(reference: str) -> nn.Module:
-    """Import ``MODULE:FACTORY`` and call the factory (or take the module instance) to get a model."""
-    module_name, _, attribute = reference.partition(":")
+    """Import ``MODULE:FACTORY`` (or ``path/to/file.py:FACTORY``) and call the factory (or take the module instance)."""
+    module_name, _, attribute = reference.rpartition(":")
     if not module_name or not attribute:
-        raise UsageError(f"{reference!r} is not MODULE:FACTORY, e.g. graphopt.models:resnet_small")
+        raise UsageError(f"{reference!r} is not MODULE:FACTORY or FILE.py:FACTORY, e.g. graphopt.models:resnet_small")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
+    except UsageError:
+        raise
     except Exception as error:  # a module that fails to import is the user's to fix, not a crash
         raise UsageError(f"cannot import {module_name!r} ({type(error).__name__}: {error}); is it on PYTHONPATH?") from error
     factory = getattr(module, attribute, None)
@@ -148,12 +181,39 @@ def _command_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _passes_for_diff(args: argparse.Namespace) -> list[str] | None:
+    """The passes to run for ``graphopt diff --pass NAME``: the preset, plus NAME when it is opt-in (None: the preset)."""
+    name = args.pass_name
+    if name is None:
+        return None
+    info = REGISTRY.get(name)
+    if info is None:
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UsageError(f"--pass {name!r} is not a pass{hint} (graphopt passes lists them)")
+    if args.mode not in info.modes:
+        raise UsageError(f"--pass {name} applies to {' and '.join(info.modes)} mode: add --mode {info.modes[0]}")
+    if info.lowers_precision and args.precision == "fp32":
+        raise UsageError(f"--pass {name} runs when a low precision is asked for: add --precision bf16 (or fp16)")
+    if info.layout and args.memory_format == "preserve":
+        raise UsageError(f"--pass {name} changes memory formats, which --memory-format preserve forbids: leave that out")
+    if args.mode in info.presets or info.lowers_precision:
+        return None
+    return [
+        other.name
+        for other in REGISTRY.values()
+        if (args.mode in other.presets and not (other.layout and args.memory_format == "preserve")) or other is info
+        or (other.lowers_precision and args.precision != "fp32")
+    ]
+
+
 def _command_diff(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
-    optimized = optimize(model, inputs, mode=args.mode, memory_format=args.memory_format, precision=args.precision)
+    passes = _passes_for_diff(args)
+    optimized = optimize(model, inputs, mode=args.mode, passes=passes, memory_format=args.memory_format, precision=args.precision)
     diffs = optimized.graphopt_report.diffs
     if args.pass_name is not None and args.pass_name not in diffs:
-        raise UsageError(f"no pass {args.pass_name!r} ran; these did: {', '.join(diffs)}")
+        raise UsageError(f"pass {args.pass_name!r} did not run; these did: {', '.join(diffs)}")
     graph_diff = diffs[args.pass_name] if args.pass_name else graph_diff_of(optimized)
     print(graph_diff)
     if args.html:
@@ -286,16 +346,29 @@ def _command_bench(args: argparse.Namespace) -> int:
     return 0 if any(model.error is None for model in result.models) else 1
 
 
+def _when_it_runs(info: PassInfo) -> str:
+    """Where a pass runs by default, or the option that asks for it."""
+    if info.presets:
+        return f"default: {', '.join(info.presets)}"
+    if info.lowers_precision:
+        return "opt-in: --precision"
+    if info.fuse == "regions":
+        return "opt-in: --fuse"
+    return "opt-in: --passes"
+
+
 def _command_passes(args: argparse.Namespace) -> int:
     infos = list_passes()
-    width = max(len(info.name) for info in infos)
-    for info in infos:
-        print(f"{info.name:<{width}}  [{', '.join(info.modes)}]  {info.description}")
+    rows = [(info.name, f"[{', '.join(info.modes)}]", _when_it_runs(info), info.description) for info in infos]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for *cells, description in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)) + "  " + description)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphopt", description="Make PyTorch models faster by rewriting their graphs.")
+    parser.add_argument("--version", action="version", version=f"graphopt {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("optimize", help="optimize a model built by MODULE:FACTORY and print the report")
@@ -377,17 +450,44 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smoke run for CI: tiny batch, 2 rounds, the smallest model; figures mean nothing")
     bench.set_defaults(handler=_command_bench)
 
-    passes = commands.add_parser("passes", help="list the available passes")
+    passes = commands.add_parser("passes", help="list the available passes: modes, where each runs by default or how to ask for it")
     passes.set_defaults(handler=_command_passes)
     return parser
 
 
+# `name=value` in a library message: True/False/None, a quoted string, a list, a number, or nothing (`passes=`)
+_PYTHON_OPTION = re.compile(r"\b([a-z_]+)=(True|False|None|'[^']*'|\[[^\]]*\]|[0-9][0-9.e+-]*|(?=[\s.,;:)]|$))")
+_CALL = re.compile(r"(?:graphopt\.)?optimize\(\.\.\., ([^()]*)\)")  # "graphopt.optimize(..., mode='training')"
+
+
+def cli_words(message: str, command: argparse.ArgumentParser) -> str:
+    """``message`` with the library's option spellings (``overwrite=True``) in ``command``'s (``--overwrite``)."""
+    flags = {action.dest: action.option_strings[-1] for action in command._actions if action.option_strings}
+    special = {("verify", "'strict'"): "--strict-verify", ("verify", "False"): "--no-verify"}
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.groups()
+        if (name, value) in special and special[(name, value)] in flags.values():
+            return special[(name, value)]
+        if name not in flags:
+            return match.group(0)
+        if value in ("True", ""):
+            return flags[name]
+        if value.startswith("["):
+            value = ",".join(re.findall(r"'([^']*)'", value))
+        return f"{flags[name]} {value.strip(chr(39))}"
+
+    return _PYTHON_OPTION.sub(flag, _CALL.sub(lambda call: call.group(1), message))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.handler(args)
     except GraphoptError as error:
-        print(f"graphopt: error: {error}", file=sys.stderr)
+        commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        print(f"graphopt: error: {cli_words(str(error), commands.choices[args.command])}", file=sys.stderr)
         return 2
 
 

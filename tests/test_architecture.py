@@ -49,8 +49,9 @@ def imported(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}  # `import graphopt`: the public API, an entry point
-        elif isinstance(node, ast.ImportFrom) and node.module == "graphopt":
-            names |= {f"graphopt.{alias.name}" for alias in node.names}  # `from graphopt import verify`
+        elif isinstance(node, ast.ImportFrom) and node.module == "graphopt":  # `from graphopt import verify, __version__`
+            submodules = {alias.name for alias in node.names if (PACKAGE / alias.name).is_dir() or (PACKAGE / f"{alias.name}.py").is_file()}
+            names |= {f"graphopt.{name}" for name in submodules} | ({"graphopt"} if len(submodules) < len(node.names) else set())
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return {name for name in names if name == "graphopt" or name.startswith("graphopt.")}

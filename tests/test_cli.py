@@ -73,6 +73,22 @@ def test_passes_lists_every_registered_pass(capsys: pytest.CaptureFixture[str]) 
     for line, info in zip(lines, infos):
         assert f"[{', '.join(info.modes)}]" in line
         assert info.description in line
+        assert (f"default: {', '.join(info.presets)}" if info.presets else "opt-in: --") in line
+
+
+def test_passes_says_how_to_ask_for_each_opt_in_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "passes")
+    rows = {line.split()[0]: line for line in out.splitlines()}
+    assert "default: inference " in rows["fold_conv_bn"] and "default: training " in rows["drop_conv_bias"]
+    assert "opt-in: --precision" in rows["use_low_precision"] and "opt-in: --fuse" in rows["extract_pointwise_regions"]
+    assert "opt-in: --passes" in rows["pad_channels"]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"graphopt {graphopt.__version__} (torch {torch.__version__})"
 
 
 # --------------------------------------------------------------------------- optimize
@@ -220,6 +236,43 @@ def test_a_misspelt_factory_name_suggests_the_close_match(capsys: pytest.Capture
     code, _, err = run(capsys, "optimize", "graphopt.models:resnet_smal", "--input", SMALL_INPUT)
     assert code == 2
     assert "resnet_small" in err
+
+
+FACTORY_FILE = """
+import torch.nn as nn
+
+
+def build():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+"""
+
+
+def test_a_factory_in_a_python_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "net_in_a_file.py").write_text(FACTORY_FILE)
+    code, out, err = run(capsys, "optimize", f"{tmp_path}/models/net_in_a_file.py:build", "--input", SMALL_INPUT, "--memory-format", "preserve")
+    assert code == 0, err
+    assert int(table_rows(out)["fold_conv_bn"][0]) == 1
+    code, _, err = run(capsys, "optimize", f"{tmp_path}/models/missing.py:build", "--input", SMALL_INPUT)
+    assert code == 2 and "is not a file" in err
+
+
+def test_a_factory_in_a_module_of_the_current_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "net_in_this_folder.py").write_text(FACTORY_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])  # as the installed script runs
+    code, out, err = run(capsys, "optimize", "net_in_this_folder:build", "--input", SMALL_INPUT, "--memory-format", "preserve")
+    assert code == 0, err
+    assert int(table_rows(out)["fold_conv_bn"][0]) == 1
+
+
+def test_errors_name_the_command_line_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    existing = tmp_path / "model.onnx"
+    existing.write_text("")
+    code, _, err = run(capsys, "export", RESNET, str(existing), "--input", SMALL_INPUT)
+    assert code == 2 and "pass --overwrite to replace it" in err and "overwrite=True" not in err
+    code, _, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--passes", "to_channels_last", "--memory-format", "preserve")
+    assert code == 2 and "--passes asks for to_channels_last but --memory-format preserve forbids it" in err
 
 
 def test_the_module_entry_point_exits_with_the_error_status() -> None:

@@ -151,4 +151,18 @@ def test_cli_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("graphopt diff: fold_conv_bn:") and "- removed stem_bn" in out and page.is_file()
     assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "nope"]) == 2
-    assert "no pass 'nope' ran" in capsys.readouterr().err
+    assert "--pass 'nope' is not a pass" in capsys.readouterr().err
+    assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "fold_conv_bm"]) == 2
+    assert "did you mean 'fold_conv_bn'?" in capsys.readouterr().err
+
+
+def test_cli_diff_of_an_opt_in_pass_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """An opt-in pass is added to the preset for its diff; one that needs an option says which."""
+    argv = ["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--memory-format", "channels_last", "--pass", "pad_channels"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("graphopt diff: pad_channels:")
+    assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "use_low_precision"]) == 2
+    assert "add --precision bf16" in capsys.readouterr().err
+    assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "drop_conv_bias", "--mode", "inference"]) == 0
+    assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "remove_dropout", "--mode", "training"]) == 2
+    assert "add --mode inference" in capsys.readouterr().err

@@ -135,7 +135,7 @@ def test_cli_export_and_optimize_onnx(tmp_path: Path, capsys: pytest.CaptureFixt
     assert cli.main(["export", "graphopt.models:resnet_small", str(out), "--input", "2x3x32x32"]) == 0
     assert "onnxruntime at batch sizes [2, 3]" in capsys.readouterr().out
     assert cli.main(["export", "graphopt.models:resnet_small", str(out), "--input", "2x3x32x32"]) == 2
-    assert "exists: pass overwrite=True" in capsys.readouterr().err
+    assert "exists: pass --overwrite to replace it" in capsys.readouterr().err  # the command line's words, not the library's
     second = tmp_path / "o.onnx"
     assert cli.main(["optimize", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--onnx", str(second)]) == 0
     printed = capsys.readouterr().out
