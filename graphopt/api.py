@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from graphopt.precision import PRECISIONS, check_precision, precision_policy, ru
 from graphopt.runtime import OptimizedModule, prepacked_modules, updates_state
 from graphopt.report import Report
 from graphopt.side_effects import preserved_user_objects, side_effects_message, watch_side_effects
-from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
+from graphopt.validate import SecondInputs, check_inputs, check_model, positional_inputs, reference_run
 from graphopt import verify as verify_outputs
 from graphopt.verify import Check, tolerance_for
 
@@ -73,8 +73,9 @@ def _resolve_mode(mode: str | None, model: nn.Module) -> Mode:
 @one_at_a_time
 def optimize(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = (),
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     mode: str | None = None,
     passes: Sequence[str] | None = None,
     disable: Iterable[str] = (),
@@ -96,8 +97,13 @@ def optimize(
 
     Args:
         model: the ``nn.Module`` to optimize.
-        example_inputs: a tensor or a tuple of forward()'s positional arguments, with the
-            shapes, dtypes and device the model will run on.
+        example_inputs: a tensor, a tuple of forward()'s positional arguments or a dict of
+            its keyword arguments (``model(**batch)``), with the shapes, dtypes and device the
+            model will run on.
+        example_kwargs: keyword arguments of forward() beside ``example_inputs`` (as in
+            ``torch.export.export(model, args, kwargs)``). Keyword inputs take their places in
+            forward()'s signature; parameters skipped before them take their defaults (e.g.
+            ``None``). The optimized module accepts the same calls, by position or by name.
         mode: ``"inference"``, ``"training"``, or None: inference when ``model`` is in
             eval mode, training otherwise. The copy is put in that mode.
         passes: pass names to run, in order, instead of the mode's preset.
@@ -139,6 +145,8 @@ def optimize(
     """
     check_model(model)
     model = _unwrap(model, mode)
+    if example_kwargs is not None:
+        example_inputs = positional_inputs(model, example_inputs, example_kwargs)  # forward()'s positional arguments from here on
     if prepacked_modules(model):
         raise InvalidModelError(
             f"{', '.join(prepacked_modules(model)[:3])} already run oneDNN kernels on prepacked weights, "

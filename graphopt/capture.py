@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,11 +80,33 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def _concrete_arguments(model: nn.Module, args: tuple[Any, ...]) -> dict[str, Any] | None:
+    """forward()'s parameters that are not tensors in this call: None ones, and keyword-only ones at their defaults.
+
+    symbolic_trace would otherwise trace them as tensors (``if mask is not None`` taken,
+    ``if return_dict`` an error); as concrete arguments they are traced as the values they
+    have (None ones with a guard in the graph). The optimized module takes positional
+    arguments only, so a keyword-only parameter keeps its default.
+    """
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [parameter for parameter in parameters if parameter.kind in kinds]
+    values = [*args, *(parameter.default for parameter in positional[len(args) :])]
+    concrete: dict[str, Any] = {parameter.name: None for parameter, value in zip(positional, values) if value is None}
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is not inspect.Parameter.empty:
+            concrete[parameter.name] = parameter.default
+    return concrete or None
+
+
 def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
     tracer = fx.Tracer()
     tracer.record_stack_traces = True  # source lines for the report (e.g. sync points)
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
-        gm = fx.GraphModule(model, tracer.trace(model), model.__class__.__name__)
+        gm = fx.GraphModule(model, tracer.trace(model, concrete_args=_concrete_arguments(model, args)), model.__class__.__name__)
     # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check
     state: dict[str, torch.Tensor] = {}
     with verify.isolated(gm, state_after=state):

@@ -30,6 +30,28 @@ from graphopt.errors import InputMismatchError
 SEED = 1
 
 
+def positional_arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], length: int | None = None) -> tuple[Any, ...]:
+    """A call ``(*args, **kwargs)`` of ``signature`` as positional arguments: named ones in their places, skipped ones at their defaults.
+
+    ``length``: how many arguments to return (those of the example); None: up to the last one
+    given. Raises `TypeError` for a call the signature does not take, or that names a
+    keyword-only parameter or one beyond ``length`` (a graph takes positional inputs).
+    """
+    bound = signature.bind(*args, **kwargs)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = [parameter for parameter in signature.parameters.values() if parameter.kind in kinds]
+    positional = {parameter.name for parameter in parameters}
+    others = [name for name in bound.arguments if name not in positional]
+    if others:
+        raise TypeError(f"{', '.join(others)} cannot be given: only forward()'s positional-or-keyword parameters can")
+    given = [index for index, parameter in enumerate(parameters) if parameter.name in bound.arguments]
+    count = (given[-1] + 1 if given else 0) if length is None else length
+    beyond = [parameters[index].name for index in given if index >= count]
+    if beyond:
+        raise TypeError(f"{', '.join(beyond)} was not among the example inputs: optimize with example inputs that include it")
+    return tuple(bound.arguments.get(parameter.name, parameter.default) for parameter in parameters[:count])
+
+
 @dataclass
 class OtherInputs:
     """A candidate second input and how it differs from the example."""
@@ -194,10 +216,9 @@ class InputSignature:
         if self.signature is None:
             raise InputMismatchError("this optimized module takes positional arguments only: call it like the example inputs")
         try:
-            bound = self.signature.bind(*args, **kwargs)
+            return positional_arguments(self.signature, args, kwargs, length=len(self.names))
         except TypeError as error:
             raise InputMismatchError(f"the call does not fit forward{self.signature}: {error}") from error
-        return tuple(bound.args)
 
     def check(self, args: tuple[Any, ...]) -> None:
         """Raise `InputMismatchError` unless ``args`` is a call the graph accepts (run on every call: kept cheap)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
-from collections.abc import Iterator
+import inspect
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError
-from graphopt.inputs import OtherInputs, other_inputs
+from graphopt.inputs import OtherInputs, other_inputs, positional_arguments
 
 
 def describe_inputs(args: tuple[Any, ...]) -> str:
@@ -24,6 +26,23 @@ def describe_inputs(args: tuple[Any, ...]) -> str:
         return type(leaf).__name__
 
     return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
+
+
+def _with_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``args`` and ``kwargs`` as forward()'s positional arguments, or `InvalidInputsError` saying which name does not fit."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError) as error:
+        raise InvalidInputsError(f"{type(model).__name__}.forward has no signature to place keyword inputs in: pass them by position") from error
+    try:
+        return positional_arguments(signature, args, kwargs)
+    except TypeError as error:
+        names = [name for name in signature.parameters if name not in ("args", "kwargs")]
+        unknown = [name for name in kwargs if name not in signature.parameters]
+        close = [difflib.get_close_matches(name, names, n=1) for name in unknown]
+        hint = "".join(f"; {name!r}: did you mean {match[0]!r}?" for name, match in zip(unknown, close, strict=True) if match)
+        reason = f"no parameter named {', '.join(map(repr, unknown))}" if unknown else str(error)
+        raise InvalidInputsError(f"example inputs {sorted(kwargs)} do not fit {type(model).__name__}.forward{signature} ({reason}){hint}") from error
 
 
 def check_model(model: Any) -> None:
@@ -42,20 +61,30 @@ def check_model(model: Any) -> None:
         )
 
 
-def check_inputs(model: nn.Module, example_inputs: Any, device: torch.device | None = None) -> tuple[Any, ...]:
-    """Normalise ``example_inputs`` to a tuple of positional arguments and check devices.
+def positional_inputs(model: nn.Module, example_inputs: Any, kwargs: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+    """``example_inputs`` (and ``kwargs``) as a tuple of forward()'s positional arguments.
 
-    With ``device`` (the model will be moved there), the inputs must be on it.
+    ``example_inputs`` is a tensor, a tuple of positional arguments or a dict of keyword
+    arguments (``model(**batch)``); named arguments take their places in forward()'s
+    signature, and skipped ones before them their defaults.
     """
     if isinstance(example_inputs, torch.Tensor):
         args: tuple[Any, ...] = (example_inputs,)
     elif isinstance(example_inputs, (tuple, list)):
         args = tuple(example_inputs)
+    elif isinstance(example_inputs, Mapping):
+        args, kwargs = (), {**example_inputs, **(kwargs or {})}
     else:
         raise InvalidInputsError(
-            f"example_inputs must be a tensor or a tuple of the positional arguments of forward(), "
-            f"got {type(example_inputs).__name__}; e.g. optimize(model, (torch.randn(8, 3, 224, 224),))"
+            f"example_inputs must be a tensor, a tuple of the positional arguments of forward() or a dict of its keyword "
+            f"arguments, got {type(example_inputs).__name__}; e.g. optimize(model, (torch.randn(8, 3, 224, 224),))"
         )
+    return _with_keywords(model, args, dict(kwargs)) if kwargs else args
+
+
+def check_inputs(model: nn.Module, example_inputs: Any, device: torch.device | None = None) -> tuple[Any, ...]:
+    """`positional_inputs`, checked: they hold a tensor, on the model's device (``device``: where it will be moved)."""
+    args = positional_inputs(model, example_inputs)
     if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(args)):
         raise InvalidInputsError(
             f"example_inputs {describe_inputs(args)} contain no tensor: pass example tensors with the shapes, "

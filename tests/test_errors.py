@@ -25,10 +25,15 @@ def test_not_a_module() -> None:
     assert issubclass(graphopt.InvalidModelError, TypeError)
 
 
-@pytest.mark.parametrize("bad", [{"x": torch.randn(2)}, 3, "tensor"])
+@pytest.mark.parametrize("bad", [3, "tensor"])
 def test_example_inputs_of_the_wrong_kind(bad) -> None:
-    with pytest.raises(graphopt.InvalidInputsError, match="must be a tensor or a tuple"):
+    with pytest.raises(graphopt.InvalidInputsError, match="must be a tensor, a tuple of the positional arguments of forward.. or a dict"):
         graphopt.optimize(model(), bad)
+
+
+def test_keyword_inputs_that_forward_does_not_take() -> None:
+    with pytest.raises(graphopt.InvalidInputsError, match=r"\['x'\] do not fit Sequential.forward\(input\) \(no parameter named 'x'\)"):
+        graphopt.optimize(model(), {"x": torch.randn(2, 3, 6, 6)})
 
 
 def test_example_inputs_without_a_tensor() -> None:
