@@ -27,6 +27,7 @@ from graphopt.inputs import InputSignature
 from graphopt.passes import MODES, Mode, PassContext
 from graphopt.pipeline import Verifier, run_verified, select_passes
 from graphopt.precision import PRECISIONS, check_precision, precision_policy, runs_on
+from graphopt.progress import shown as show_progress
 from graphopt.runtime import OptimizedModule, prepacked_modules, updates_state
 from graphopt.report import Report
 from graphopt.side_effects import preserved_user_objects, side_effects_message, watch_side_effects
@@ -92,6 +93,7 @@ def optimize(
     tune: bool = False,
     accuracy: float | None = None,
     tune_budget_s: float = tuning.DEFAULT_BUDGET_S,
+    progress: bool | None = None,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
 
@@ -139,122 +141,127 @@ def optimize(
         accuracy: with ``tune``, the largest error allowed, relative to the output's scale
             (default: the fp32 tolerance, 1e-4, so only exact candidates; 3e-2 admits bf16).
         tune_budget_s: with ``tune``, about how many seconds tuning may take.
+        progress: show a status line on stderr while capturing, running the passes,
+            tuning and compiling: None (default) on a terminal only, True always, False never.
 
     Returns:
         An `OptimizedModule` with ``.graphopt_report``.
     """
-    check_model(model)
-    model = _unwrap(model, mode)
-    if example_kwargs is not None:
-        example_inputs = positional_inputs(model, example_inputs, example_kwargs)  # forward()'s positional arguments from here on
-    if prepacked_modules(model):
-        raise InvalidModelError(
-            f"{', '.join(prepacked_modules(model)[:3])} already run oneDNN kernels on prepacked weights, "
-            "which cannot be captured again: optimize the original model with the options you want instead"
-        )
-    resolved_mode = _resolve_mode(mode, model)
-    low_dtype = check_precision(precision, model)
-    low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
-    if fuse is not None and fuse not in FUSE_BACKENDS:
-        raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
-    if memory_format not in MEMORY_FORMATS:
-        raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
-    infos = select_passes(resolved_mode, passes, disable, preserve_layout=memory_format == "preserve", low_precision=low_dtype is not None, fuse=fuse)
-    check_frontend(frontend)  # every option is checked before the costly steps below
-    strict = _check_verify(verify)
-    if tune:
-        fixed = {
-            name: value
-            for name, value, default in (("memory_format", memory_format, "auto"), ("precision", precision, "fp32"), ("fuse", fuse, None), ("passes", passes, None))
-            if value != default
-        }
-        common = dict(
-            mode=mode, disable=disable, frontend=frontend, dynamic_batch=dynamic_batch, keep_channels_last_outputs=keep_channels_last_outputs,
-            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
-        )  # fmt: skip
-        return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
-    target = resolve_device(device, model, example_inputs)
-    args = check_inputs(model, example_inputs, target if device is not None else None)
-    training = resolved_mode == "training"
-
-    def owned_copy() -> nn.Module:
-        try:
-            owned = copy.deepcopy(model)
-        except Exception as error:
+    if progress is not None and not isinstance(progress, bool):
+        raise InvalidOptionError(f"progress={progress!r}: use True (always), False (never) or None (on a terminal only)")
+    with show_progress(progress):
+        check_model(model)
+        model = _unwrap(model, mode)
+        if example_kwargs is not None:
+            example_inputs = positional_inputs(model, example_inputs, example_kwargs)  # forward()'s positional arguments from here on
+        if prepacked_modules(model):
             raise InvalidModelError(
-                f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
-                "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
-            ) from error
-        if device is not None:
-            owned.to(target)
-        return owned.train(training)
+                f"{', '.join(prepacked_modules(model)[:3])} already run oneDNN kernels on prepacked weights, "
+                "which cannot be captured again: optimize the original model with the options you want instead"
+            )
+        resolved_mode = _resolve_mode(mode, model)
+        low_dtype = check_precision(precision, model)
+        low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
+        if fuse is not None and fuse not in FUSE_BACKENDS:
+            raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
+        if memory_format not in MEMORY_FORMATS:
+            raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
+        infos = select_passes(resolved_mode, passes, disable, preserve_layout=memory_format == "preserve", low_precision=low_dtype is not None, fuse=fuse)
+        check_frontend(frontend)  # every option is checked before the costly steps below
+        strict = _check_verify(verify)
+        if tune:
+            fixed = {
+                name: value
+                for name, value, default in (("memory_format", memory_format, "auto"), ("precision", precision, "fp32"), ("fuse", fuse, None), ("passes", passes, None))
+                if value != default
+            }
+            common = dict(
+                mode=mode, disable=disable, frontend=frontend, dynamic_batch=dynamic_batch, keep_channels_last_outputs=keep_channels_last_outputs,
+                low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
+            )  # fmt: skip
+            return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
+        target = resolve_device(device, model, example_inputs)
+        args = check_inputs(model, example_inputs, target if device is not None else None)
+        training = resolved_mode == "training"
 
-    owned = owned_copy()
-    # forward() runs many times below (reference, capture, checks): what it writes outside the call (globals,
-    # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
-    with preserved_user_objects(owned, module_attributes=False):
-        with watch_side_effects(owned) as watch:
-            example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
-        others = SecondInputs(owned, args, vary_batch=dynamic_batch, gradients=training)
-        captured = capture_graph(owned, example, frontend, dynamic_batch, others if verify else ())
-        report = Report(
-            mode=resolved_mode,
-            frontend=captured.frontend,
-            capture_attempts=captured.attempts,
-            notes=captured.notes,
-            verified=bool(verify),
-            tolerance=_output_tolerance(example.expected.outputs, low_dtype),
-            capture_seconds=captured.seconds,
-        )
-        context = PassContext(
-            mode=resolved_mode,
-            example_inputs=args,
-            keep_channels_last_outputs=keep_channels_last_outputs,
-            measure=memory_format == "auto",
-            precision=low_dtype,
-            low_precision_ops=low_ops,
-            fp32_ops=kept_ops,
-            device=target,
-        )
-        report.captured_nodes = snapshot(captured.graph_module.graph)
-        side_effects = side_effects_message(watch.effects, type(model).__name__)
-        if side_effects:
-            warnings.warn(f"graphopt: {side_effects}", SideEffectWarning, stacklevel=3)
-            report.warnings.append(side_effects)
-        second = captured.second
-        if verify:
-            report.warnings += _unverifiable(example, second, others, low_dtype)
-            report.second_input = second.differences if second is not None else ""
-        verifier = Verifier(example, second, resolved_mode, strict, original=owned_copy) if verify else None
-        recaptures = iter([captured.graph_module])
+        def owned_copy() -> nn.Module:
+            try:
+                owned = copy.deepcopy(model)
+            except Exception as error:
+                raise InvalidModelError(
+                    f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); graphopt works on a deep copy "
+                    "so that your model is never modified: make the model deep-copyable (copy.deepcopy)"
+                ) from error
+            if device is not None:
+                owned.to(target)
+            return owned.train(training)
 
-        def fresh_graph() -> fx.GraphModule:
-            """The captured graph, then (a pass rolled back) the same capture of a new copy of the model."""
-            graph = next(recaptures, None)
-            if graph is not None:
-                return graph
-            return capture_graph(owned_copy(), example, captured.frontend, dynamic_batch).graph_module
+        owned = owned_copy()
+        # forward() runs many times below (reference, capture, checks): what it writes outside the call (globals,
+        # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
+        with preserved_user_objects(owned, module_attributes=False):
+            with watch_side_effects(owned) as watch:
+                example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
+            others = SecondInputs(owned, args, vary_batch=dynamic_batch, gradients=training)
+            captured = capture_graph(owned, example, frontend, dynamic_batch, others if verify else ())
+            report = Report(
+                mode=resolved_mode,
+                frontend=captured.frontend,
+                capture_attempts=captured.attempts,
+                notes=captured.notes,
+                verified=bool(verify),
+                tolerance=_output_tolerance(example.expected.outputs, low_dtype),
+                capture_seconds=captured.seconds,
+            )
+            context = PassContext(
+                mode=resolved_mode,
+                example_inputs=args,
+                keep_channels_last_outputs=keep_channels_last_outputs,
+                measure=memory_format == "auto",
+                precision=low_dtype,
+                low_precision_ops=low_ops,
+                fp32_ops=kept_ops,
+                device=target,
+            )
+            report.captured_nodes = snapshot(captured.graph_module.graph)
+            side_effects = side_effects_message(watch.effects, type(model).__name__)
+            if side_effects:
+                warnings.warn(f"graphopt: {side_effects}", SideEffectWarning, stacklevel=3)
+                report.warnings.append(side_effects)
+            second = captured.second
+            if verify:
+                report.warnings += _unverifiable(example, second, others, low_dtype)
+                report.second_input = second.differences if second is not None else ""
+            verifier = Verifier(example, second, resolved_mode, strict, original=owned_copy) if verify else None
+            recaptures = iter([captured.graph_module])
 
-        gm, report.passes, report.diffs, second_comparison = run_verified(fresh_graph, infos, context, verifier, captured.max_error)
-        if second_comparison is not None:
-            outputs, gradients = second_comparison
-            report.second_input_error = outputs.max_error
-            report.second_input_gradient_error = None if gradients is None else gradients.max_error
-        report.warnings += [f"pass {p.name!r} was rolled back: it failed verification (see its entry below)" for p in report.passes if p.rolled_back]
-        report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
-        runner = None
-        if fuse is not None:
-            # compiled code is specific to the autograd mode: compile for the one forward will run in
-            inference = resolved_mode == "inference" and not updates_state(gm)
-            run_context = torch.inference_mode if inference else torch.enable_grad if resolved_mode == "training" else torch.no_grad
-            if fuse == "graph":
-                runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
-            else:
-                report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
-        # the batch may vary in calls only where a second batch size was verified (or, unverified, where asked for)
-        varies = second is not None and second.batch is not None if verify else dynamic_batch
-        signature = InputSignature(model, args, dynamic_batch=varies, fixed_values=captured.frontend == "export")
-        return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
+            def fresh_graph() -> fx.GraphModule:
+                """The captured graph, then (a pass rolled back) the same capture of a new copy of the model."""
+                graph = next(recaptures, None)
+                if graph is not None:
+                    return graph
+                return capture_graph(owned_copy(), example, captured.frontend, dynamic_batch).graph_module
+
+            gm, report.passes, report.diffs, second_comparison = run_verified(fresh_graph, infos, context, verifier, captured.max_error)
+            if second_comparison is not None:
+                outputs, gradients = second_comparison
+                report.second_input_error = outputs.max_error
+                report.second_input_gradient_error = None if gradients is None else gradients.max_error
+            report.warnings += [f"pass {p.name!r} was rolled back: it failed verification (see its entry below)" for p in report.passes if p.rolled_back]
+            report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
+            runner = None
+            if fuse is not None:
+                # compiled code is specific to the autograd mode: compile for the one forward will run in
+                inference = resolved_mode == "inference" and not updates_state(gm)
+                run_context = torch.inference_mode if inference else torch.enable_grad if resolved_mode == "training" else torch.no_grad
+                if fuse == "graph":
+                    runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
+                else:
+                    report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
+            # the batch may vary in calls only where a second batch size was verified (or, unverified, where asked for)
+            varies = second is not None and second.batch is not None if verify else dynamic_batch
+            signature = InputSignature(model, args, dynamic_batch=varies, fixed_values=captured.frontend == "export")
+            return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
 
 
 def _check_verify(verify: Any) -> bool:

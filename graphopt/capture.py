@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
-from graphopt import verify
+from graphopt import progress, verify
 from graphopt.errors import CaptureError, InvalidOptionError
 from graphopt.ops import remove_dead_code
 from graphopt.side_effects import preserved_user_objects
@@ -239,7 +239,7 @@ def capture_graph(
     started = time.perf_counter()
     attempts: dict[str, str] = {}
     gradients = example.expected.gradients is not None
-    for name in ("fx", "export") if frontend == "auto" else (frontend,):
+    for name in progress.steps(("fx", "export") if frontend == "auto" else (frontend,), "capture"):
         try:
             gm, actual, notes = _TRACERS[name](model, example.args, dynamic_batch, gradients)
             reason = _mismatch(name, model, gm, actual, example)

@@ -171,6 +171,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         fuse=args.fuse,
         tune=args.tune,
         accuracy=args.accuracy,
+        progress=False if args.no_progress else None,
     )
     print(optimized.graphopt_report)
     if args.report:
@@ -210,7 +211,10 @@ def _passes_for_diff(args: argparse.Namespace) -> list[str] | None:
 def _command_diff(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     passes = _passes_for_diff(args)
-    optimized = optimize(model, inputs, mode=args.mode, passes=passes, memory_format=args.memory_format, precision=args.precision)
+    optimized = optimize(
+        model, inputs, mode=args.mode, passes=passes, memory_format=args.memory_format, precision=args.precision,
+        progress=False if args.no_progress else None,
+    )  # fmt: skip
     diffs = optimized.graphopt_report.diffs
     if args.pass_name is not None and args.pass_name not in diffs:
         raise UsageError(f"pass {args.pass_name!r} did not run; these did: {', '.join(diffs)}")
@@ -266,6 +270,7 @@ def _command_export(args: argparse.Namespace) -> int:
         opset=args.opset,
         overwrite=args.overwrite,
         precision=args.precision,
+        progress=False if args.no_progress else None,
     )
     print(report)
     return 0
@@ -396,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")
     run.add_argument("--overwrite", action="store_true", help="with --onnx: replace an existing file")
+    run.add_argument("--no-progress", action="store_true", help="no status line on stderr (shown on a terminal only anyway)")
     run.set_defaults(handler=_command_optimize)
 
     show = commands.add_parser("diff", help="optimize and show what changed in the graph (whole pipeline or one pass)")
@@ -407,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--precision", choices=PRECISIONS, default="fp32")
     show.add_argument("--html", metavar="PATH", help="also write a self-contained HTML diff")
     show.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
+    show.add_argument("--no-progress", action="store_true", help="no status line on stderr (shown on a terminal only anyway)")
     show.set_defaults(handler=_command_diff)
 
     lint = commands.add_parser("lint", help="check training scripts against the performance playbook")
@@ -425,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-optimize", action="store_true", help="export the model as it is")
     export.add_argument("--overwrite", action="store_true", help="replace an existing file")
     export.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
+    export.add_argument("--no-progress", action="store_true", help="no status line on stderr (shown on a terminal only anyway)")
     export.set_defaults(handler=_command_export)
 
     demo = commands.add_parser("demo", help="optimize a built-in model and compare its latency with eager")

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphopt import verify
+from graphopt import progress, verify
 from graphopt.checkpoint import key_map
 from graphopt.errors import GraphoptError, InvalidOptionError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo, PassResult
@@ -238,7 +238,7 @@ def run_passes(
     error = capture_error
     gradient_error = None  # no pass has compared gradients yet
     compute_dtype = None  # set once a pass lowers precision: later checks use its tolerance
-    for info in infos:
+    for info in progress.steps(infos, "passes", lambda info: info.name):
         before = list(gm.graph.nodes)
         before_changes = {node: NodeChange.of(node) for node in before}
         before_nodes = snapshot(gm.graph)

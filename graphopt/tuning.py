@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from graphopt import progress
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import TuneCandidate, TuneReport
 from graphopt.timing import median_latencies
@@ -162,8 +163,6 @@ def tune(
     onednn: bool = False,
 ) -> Any:
     """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
-    from tqdm.auto import tqdm
-
     todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn)
     # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
     considered = [(candidate.name, candidate.options) for candidate in todo]
@@ -177,7 +176,7 @@ def tune(
     started = time.perf_counter()
     modules: dict[str, Any] = {}
     per_call = 0.0
-    for candidate in tqdm(todo, desc="graphopt tune: building", unit="candidate", disable=None, leave=False):
+    for candidate in progress.steps(todo, "tune: building", lambda candidate: candidate.name):
         row = TuneCandidate(candidate.name, candidate.options)
         rows.append(row)
         if modules and time.perf_counter() - started > budget_s / 2:  # keep half the budget for timing

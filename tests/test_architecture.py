@@ -29,7 +29,7 @@ LAYERS = {
     "ops": ("graphopt.ops",),
     "foundations": (
         "graphopt.verify", "graphopt.inputs", "graphopt.report", "graphopt.diff", "graphopt.checkpoint", "graphopt.errors",
-        "graphopt.timing", "graphopt.prefetch", "graphopt.models",
+        "graphopt.timing", "graphopt.prefetch", "graphopt.progress", "graphopt.models",
     ),
 }  # fmt: skip
 

@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from graphopt import verify
+from graphopt import progress, verify
 from graphopt.ops import layout_of, record
 from graphopt.ops.record import RunContext
 from graphopt.passes.extract_pointwise_regions import REGION_PREFIX, extract_pointwise_regions
@@ -249,7 +249,7 @@ def compile_regions(gm: fx.GraphModule, backend: str, example_inputs: tuple[Any,
     if note:
         report.notes.append(note)
     artifacts: dict[tuple[Any, ...], tuple[str, FusedRegion]] = {}
-    for name in sorted(names, key=lambda n: int(n.rsplit("_", 1)[1])):
+    for name in progress.steps(sorted(names, key=lambda n: int(n.rsplit("_", 1)[1])), f"compile ({backend})"):
         region = gm.get_submodule(name)
         fused = FusedRegion(region, backend)
         entry = RegionReport(name, _region_ops(region), backend, "compiled")
