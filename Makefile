@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test fuzz demo bench bench-reference bench-gpu clean
+.PHONY: venv test fuzz demo notebooks bench bench-reference bench-gpu clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,17 @@ fuzz: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/graphopt demo
+
+# JupyterLab on notebooks/ (installed into .venv the first time; open the URL it prints).
+# JUPYTER_ARGS adds options, e.g. JUPYTER_ARGS="--no-browser --allow-root" in a container running as root.
+NOTEBOOKS_STAMP := $(VENV)/.graphopt-notebooks-installed
+
+$(NOTEBOOKS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[notebooks]'
+	touch $(NOTEBOOKS_STAMP)
+
+notebooks: $(NOTEBOOKS_STAMP)
+	$(VENV)/bin/jupyter lab notebooks/ $(JUPYTER_ARGS)
 
 # The benchmark's extra dependencies (matplotlib for the plot, psutil for memory and load).
 BENCH_STAMP := $(VENV)/.graphopt-bench-installed

@@ -49,7 +49,7 @@ from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
 from graphopt.models import REFERENCE_MODELS, get_reference_model
 from graphopt.passes import REGISTRY, PassInfo
-from graphopt.pipeline import list_passes, preset
+from graphopt.pipeline import list_passes
 from graphopt.precision import PRECISIONS
 from graphopt.runtime import OptimizedModule
 
