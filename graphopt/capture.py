@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import progress, verify
 from graphopt.errors import CaptureError, InvalidOptionError
+from graphopt.inputs import positional_parameters
 from graphopt.ops import remove_dead_code
 from graphopt.side_effects import preserved_user_objects
 from graphopt.validate import check_inputs, check_model, reference_run
@@ -89,14 +90,13 @@ def _concrete_arguments(model: nn.Module, args: tuple[Any, ...]) -> dict[str, An
     arguments only, so a keyword-only parameter keeps its default.
     """
     try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
+        signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
         return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [parameter for parameter in parameters if parameter.kind in kinds]
+    positional = positional_parameters(signature)
     values = [*args, *(parameter.default for parameter in positional[len(args) :])]
     concrete: dict[str, Any] = {parameter.name: None for parameter, value in zip(positional, values) if value is None}
-    for parameter in parameters:
+    for parameter in signature.parameters.values():
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is not inspect.Parameter.empty:
             concrete[parameter.name] = parameter.default
     return concrete or None

@@ -49,7 +49,7 @@ from graphopt.capture import FRONTENDS
 from graphopt.errors import GraphoptError
 from graphopt.models import REFERENCE_MODELS, get_reference_model
 from graphopt.passes import REGISTRY, PassInfo
-from graphopt.pipeline import list_passes
+from graphopt.pipeline import list_passes, preset_with
 from graphopt.precision import PRECISIONS
 from graphopt.runtime import OptimizedModule
 
@@ -200,12 +200,7 @@ def _passes_for_diff(args: argparse.Namespace) -> list[str] | None:
         raise UsageError(f"--pass {name} changes memory formats, which --memory-format preserve forbids: leave that out")
     if args.mode in info.presets or info.lowers_precision:
         return None
-    return [
-        other.name
-        for other in REGISTRY.values()
-        if (args.mode in other.presets and not (other.layout and args.memory_format == "preserve")) or other is info
-        or (other.lowers_precision and args.precision != "fp32")
-    ]
+    return preset_with(args.mode, [name], low_precision=args.precision != "fp32", channels_last=args.memory_format != "preserve")
 
 
 def _command_diff(args: argparse.Namespace) -> int:

@@ -30,16 +30,24 @@ from graphopt.errors import InputMismatchError
 SEED = 1
 
 
-def positional_arguments(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], length: int | None = None) -> tuple[Any, ...]:
+def positional_parameters(signature: inspect.Signature) -> list[inspect.Parameter]:
+    """The parameters of ``signature`` that can be given by position, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [parameter for parameter in signature.parameters.values() if parameter.kind in kinds]
+
+
+def positional_arguments(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], length: int | None = None, parameters: list[inspect.Parameter] | None = None
+) -> tuple[Any, ...]:
     """A call ``(*args, **kwargs)`` of ``signature`` as positional arguments: named ones in their places, skipped ones at their defaults.
 
     ``length``: how many arguments to return (those of the example); None: up to the last one
-    given. Raises `TypeError` for a call the signature does not take, or that names a
-    keyword-only parameter or one beyond ``length`` (a graph takes positional inputs).
+    given. ``parameters``: `positional_parameters` of ``signature``, when the caller keeps them.
+    Raises `TypeError` for a call the signature does not take, or that names a keyword-only
+    parameter or one beyond ``length`` (a graph takes positional inputs).
     """
     bound = signature.bind(*args, **kwargs)
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    parameters = [parameter for parameter in signature.parameters.values() if parameter.kind in kinds]
+    parameters = positional_parameters(signature) if parameters is None else parameters
     positional = {parameter.name for parameter in parameters}
     others = [name for name in bound.arguments if name not in positional]
     if others:
@@ -59,6 +67,17 @@ class OtherInputs:
     args: tuple[Any, ...]
     description: str
     batch: int | None  # its batch size when it differs from the example's, else None
+
+
+def describe_inputs(args: tuple[Any, ...]) -> str:
+    """A short summary such as ``(Tensor[8, 3, 224, 224] float32 cpu, int)``."""
+
+    def one(leaf: Any) -> str:
+        if isinstance(leaf, torch.Tensor):
+            return f"Tensor{list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} {leaf.device}"
+        return type(leaf).__name__
+
+    return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
 
 
 def batch_size(args: tuple[Any, ...]) -> int | None:
@@ -175,7 +194,8 @@ class InputSignature:
             self.signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self.signature = None
-        positional = [p.name for p in self.signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] if self.signature else []
+        self.parameters = positional_parameters(self.signature) if self.signature else []  # kept: calls by name read them
+        positional = [parameter.name for parameter in self.parameters]
         self.names = [positional[i] if i < len(positional) else f"input{i}" for i in range(len(args))]
         leaves, self.spec = pytree.tree_flatten_with_path(args)
         batch = batch_size(args)
@@ -216,7 +236,7 @@ class InputSignature:
         if self.signature is None:
             raise InputMismatchError("this optimized module takes positional arguments only: call it like the example inputs")
         try:
-            return positional_arguments(self.signature, args, kwargs, length=len(self.names))
+            return positional_arguments(self.signature, args, kwargs, length=len(self.names), parameters=self.parameters)
         except TypeError as error:
             raise InputMismatchError(f"the call does not fit forward{self.signature}: {error}") from error
 
@@ -226,7 +246,7 @@ class InputSignature:
             return
         leaves, spec = pytree.tree_flatten(args)
         if spec != self.spec or len(leaves) != len(self.leaves):
-            self._refuse("the call's arguments", f"are {_summary(args)}")
+            self._refuse("the call's arguments", f"are {describe_inputs(args)}")
         for expected, value in zip(self.leaves, leaves, strict=True):
             if isinstance(expected, TensorSpec):
                 if not expected.fits(value):
@@ -244,10 +264,3 @@ class InputSignature:
             "verified for those inputs only and may compute something else for others. Optimize the model again with example "
             "inputs like the ones you call it with (one optimized module per input shape or dtype), or call the original model."
         )
-
-
-def _summary(args: tuple[Any, ...]) -> str:
-    def one(leaf: Any) -> str:
-        return f"Tensor{list(leaf.shape)}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-
-    return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"

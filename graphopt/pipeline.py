@@ -47,7 +47,7 @@ PRESETS: dict[Mode, tuple[str, ...]] = {mode: preset(mode) for mode in MODES}
 
 __all__ = [
     "PRESETS", "PassContext", "PassResult", "Verifier", "cpu_kernel_passes", "list_passes", "onnx_left_out", "onnx_refused",
-    "preset", "resolve_passes", "run_passes", "run_verified", "select_passes",
+    "preset", "preset_with", "resolve_passes", "run_passes", "run_verified", "select_passes",
 ]  # fmt: skip
 
 
@@ -122,14 +122,23 @@ def select_passes(
     return ordered + [info for info in REGISTRY.values() if info.runs_last and info in infos]
 
 
-def cpu_kernel_passes(precision: str, layout: str) -> list[str]:
-    """The inference preset for ``precision`` and ``layout`` with the `cpu_kernels` passes: the fastest CPU configuration."""
+def preset_with(mode: Mode, extra: Iterable[str] = (), *, low_precision: bool, channels_last: bool) -> list[str]:
+    """``mode``'s preset plus ``extra`` passes, in registry order, as ``passes=`` for the given precision and layout options.
+
+    The precision pass goes in with ``low_precision``; the layout passes stay out without ``channels_last``.
+    """
+    wanted = set(extra)
     return [
         name
         for name, info in REGISTRY.items()
-        if ("inference" in info.presets or info.cpu_kernels or (info.lowers_precision and precision != "fp32"))
-        and not (info.layout and layout != "channels_last")
+        if (mode in info.presets or name in wanted or (info.lowers_precision and low_precision)) and not (info.layout and not channels_last)
     ]
+
+
+def cpu_kernel_passes(precision: str, layout: str) -> list[str]:
+    """The inference preset for ``precision`` and ``layout`` with the `cpu_kernels` passes: the fastest CPU configuration."""
+    kernels = [name for name, info in REGISTRY.items() if info.cpu_kernels]
+    return preset_with("inference", kernels, low_precision=precision != "fp32", channels_last=layout == "channels_last")
 
 
 def onnx_left_out() -> list[str]:

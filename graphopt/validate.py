@@ -14,18 +14,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError
-from graphopt.inputs import OtherInputs, other_inputs, positional_arguments
-
-
-def describe_inputs(args: tuple[Any, ...]) -> str:
-    """A short summary such as ``(Tensor[8, 3, 224, 224] float32 cpu, int)``."""
-
-    def one(leaf: Any) -> str:
-        if isinstance(leaf, torch.Tensor):
-            return f"Tensor{list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} {leaf.device}"
-        return type(leaf).__name__
-
-    return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
+from graphopt.inputs import OtherInputs, describe_inputs, other_inputs, positional_arguments
 
 
 def _with_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
