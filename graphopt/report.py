@@ -186,7 +186,7 @@ class Report:
     capture_seconds: float = 0.0
     fusion: FusionReport | None = None  # optimize(fuse=...): what the fusion backend compiled
     tune: TuneReport | None = None  # optimize(tune=True): every candidate measured, and the winner
-    # graph diffs, kept out of to_dict(): per pass (report.diffs["fold_conv_bn"]), and the
+    # graph diffs, kept out of to_dict(): per pass (report.diffs[pass_name]), and the
     # captured graph's nodes that graphopt.diff(optimized) compares the result with
     diffs: dict[str, Any] = field(default_factory=dict, repr=False)
     captured_nodes: list[Any] = field(default_factory=list, repr=False)
