@@ -17,13 +17,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphopt import tuning
+from graphopt import dynamic, tuning
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, compile_graph, compile_regions
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationWarning
-from graphopt.inputs import InputSignature
+from graphopt.inputs import InputSignature, argument_names
 from graphopt.passes import MODES, Mode, PassContext
 from graphopt.pipeline import Verifier, run_verified, select_passes
 from graphopt.precision import PRECISIONS, check_precision, precision_policy, runs_on
@@ -81,6 +81,7 @@ def optimize(
     passes: Sequence[str] | None = None,
     disable: Iterable[str] = (),
     frontend: str = "auto",
+    dynamic_shapes: Any = dynamic.DEFAULT,
     dynamic_batch: bool = True,
     verify: bool | str = True,
     memory_format: str = "auto",
@@ -112,7 +113,15 @@ def optimize(
         disable: pass names to leave out.
         frontend: ``"fx"`` (symbolic_trace), ``"export"`` (torch.export) or ``"auto"``
             (fx, then export).
-        dynamic_batch: let the captured graph accept other batch sizes (export frontend).
+        dynamic_shapes: the input dimensions the optimized module may be called with other
+            sizes of, in torch.export's vocabulary: ``"batch+sequence"`` (default: the batch
+            dimension, and the sequence dimensions of token inputs such as ``input_ids`` and
+            ``attention_mask``), ``"batch"``, ``"auto"`` (every dimension the model allows),
+            None (every size fixed) or a torch.export spec by parameter name or position, e.g.
+            ``{"input_ids": {1: torch.export.Dim("seq", max=512)}}``. A dimension varies only
+            where the captured graph keeps it dynamic and verification ran at a second size of it
+            (see ``graphopt.dynamic``).
+        dynamic_batch: False is ``dynamic_shapes=None`` (kept for older code).
         verify: compare outputs with the original after every pass (dtype-aware
             tolerance); a mismatch raises `VerificationError`.
         memory_format: ``"auto"`` (channels_last only if it measures faster on the
@@ -168,6 +177,10 @@ def optimize(
             raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
         infos = select_passes(resolved_mode, passes, disable, preserve_layout=memory_format == "preserve", low_precision=low_dtype is not None, fuse=fuse)
         check_frontend(frontend)  # every option is checked before the costly steps below
+        if not dynamic_batch:
+            if dynamic_shapes != dynamic.DEFAULT:
+                raise InvalidOptionError("dynamic_batch=False contradicts dynamic_shapes: give dynamic_shapes only (None fixes every size)")
+            dynamic_shapes = None
         strict = _check_verify(verify)
         if tune:
             fixed = {
@@ -176,12 +189,13 @@ def optimize(
                 if value != default
             }
             common = dict(
-                mode=mode, disable=disable, frontend=frontend, dynamic_batch=dynamic_batch, keep_channels_last_outputs=keep_channels_last_outputs,
+                mode=mode, disable=disable, frontend=frontend, dynamic_shapes=dynamic_shapes, keep_channels_last_outputs=keep_channels_last_outputs,
                 low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
             )  # fmt: skip
             return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
         target = resolve_device(device, model, example_inputs)
         args = check_inputs(model, example_inputs, target if device is not None else None)
+        request = dynamic.request(dynamic_shapes, args, argument_names(model, len(args)))
         training = resolved_mode == "training"
 
         def owned_copy() -> nn.Module:
@@ -202,8 +216,9 @@ def optimize(
         with preserved_user_objects(owned, module_attributes=False):
             with watch_side_effects(owned) as watch:
                 example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
-            others = SecondInputs(owned, args, vary_batch=dynamic_batch, gradients=training)
-            captured = capture_graph(owned, example, frontend, dynamic_batch, others if verify else ())
+            others = SecondInputs(owned, args, request.dims, gradients=training)
+            captured = capture_graph(owned, example, frontend, request, others if verify else None)
+            kept = dynamic.graph_dims(captured.graph_module, args, request.dims)
             report = Report(
                 mode=resolved_mode,
                 frontend=captured.frontend,
@@ -240,7 +255,7 @@ def optimize(
                 graph = next(recaptures, None)
                 if graph is not None:
                     return graph
-                return capture_graph(owned_copy(), example, captured.frontend, dynamic_batch).graph_module
+                return capture_graph(owned_copy(), example, captured.frontend, request).graph_module
 
             gm, report.passes, report.diffs, second_comparison = run_verified(fresh_graph, infos, context, verifier, captured.max_error)
             if second_comparison is not None:
@@ -249,18 +264,20 @@ def optimize(
                 report.second_input_gradient_error = None if gradients is None else gradients.max_error
             report.warnings += [f"pass {p.name!r} was rolled back: it failed verification (see its entry below)" for p in report.passes if p.rolled_back]
             report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
+            # sizes may vary in calls only where a second size was verified (or, unverified, where the graph keeps them dynamic)
+            free = (dynamic.varied(args, second.args) if second is not None else tuple(frozenset() for _ in kept)) if verify else kept
+            report.dynamic = dynamic.describe(free, request.names)
+            report.notes += filter(None, [_unverified_dims(kept, free, request.names, others)])
             runner = None
             if fuse is not None:
                 # compiled code is specific to the autograd mode: compile for the one forward will run in
                 inference = resolved_mode == "inference" and not updates_state(gm)
                 run_context = torch.inference_mode if inference else torch.enable_grad if resolved_mode == "training" else torch.no_grad
                 if fuse == "graph":
-                    runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic_batch=dynamic_batch)
+                    runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic=free)
                 else:
-                    report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=dynamic_batch)
-            # the batch may vary in calls only where a second batch size was verified (or, unverified, where asked for)
-            varies = second is not None and second.batch is not None if verify else dynamic_batch
-            signature = InputSignature(model, args, dynamic_batch=varies, fixed_values=captured.frontend == "export")
+                    report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=any(0 in dims for dims in free))
+            signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export")
             return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
 
 
@@ -272,6 +289,15 @@ def _check_verify(verify: Any) -> bool:
             "(any mismatch raises VerificationError) or False (no checks)"
         )
     return verify == "strict"
+
+
+def _unverified_dims(kept: dynamic.Dims, free: dynamic.Dims, names: Sequence[str], others: SecondInputs) -> str:
+    """Why dimensions the graph could vary stay fixed: no second size of them was verified ('' when none)."""
+    fixed = tuple(mine - verified for mine, verified in zip(kept, free, strict=True))
+    if not any(fixed):
+        return ""
+    refused = f" (the model refused one: {others.refused[0]})" if others.refused else ""
+    return f"{dynamic.describe(fixed, names)} kept at the example's size: no second size could be verified{refused}"
 
 
 def _unverifiable(example: Check, second: Check | None, others: SecondInputs, low_dtype: torch.dtype | None) -> list[str]:

@@ -5,18 +5,18 @@ Frontends:
 - ``"fx"``: ``torch.fx.symbolic_trace``. Keeps the model's own module hierarchy
   (``call_module`` nodes, original parameter names) and follows ``.train()/.eval()``.
   Fails on Python control flow that depends on tensor shapes or values.
-- ``"export"``: ``torch.export.export(...).module()``, non-strict, with the batch
-  dimension of every tensor input dynamic (``Dim.AUTO``) unless
-  ``dynamic_batch=False``. Handles shape-dependent control flow (Hugging Face models),
-  and produces ATen ops; the train/eval mode at capture time is baked into the graph.
+- ``"export"``: ``torch.export.export(...).module()``, non-strict, with the dimensions
+  `graphopt.dynamic` asks for dynamic (``Dim.AUTO``, or the user's own ``dynamic_shapes``).
+  Handles shape-dependent control flow (Hugging Face models), and produces ATen ops; the
+  train/eval mode at capture time is baked into the graph.
 - ``"auto"``: fx first, then export.
 
-Every captured graph runs on the example inputs and on a second input (another batch
-size, fresh values, other strides) and must reproduce the eager outputs, buffer updates
-and, in training mode, gradients before any pass touches it; a graph that traces but
-computes something else counts as a failed frontend (fx silently specialises Python
-values, and drops ``torch.no_grad()``/``torch.autocast`` blocks and in-place updates of
-buffers that do not involve its inputs).
+Every captured graph runs on the example inputs and on a second input (other sizes of
+the dimensions it keeps dynamic, fresh values, other strides) and must reproduce the
+eager outputs, buffer updates and, in training mode, gradients before any pass touches
+it; a graph that traces but computes something else counts as a failed frontend (fx
+silently specialises Python values, and drops ``torch.no_grad()``/``torch.autocast``
+blocks and in-place updates of buffers that do not involve its inputs).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import functools
 import inspect
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,14 +34,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
-from torch.utils import _pytree as pytree
 
-from graphopt import progress, verify
+from graphopt import dynamic, progress, verify
+from graphopt.dynamic import Request
 from graphopt.errors import CaptureError, InvalidOptionError
-from graphopt.inputs import positional_parameters
+from graphopt.inputs import argument_names, positional_parameters
 from graphopt.ops import remove_dead_code
 from graphopt.side_effects import preserved_user_objects
-from graphopt.validate import check_inputs, check_model, reference_run
+from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
 
@@ -102,7 +102,7 @@ def _concrete_arguments(model: nn.Module, args: tuple[Any, ...]) -> dict[str, An
     return concrete or None
 
 
-def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
+def _trace_fx(model: nn.Module, args: tuple[Any, ...], request: Request, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
     tracer = fx.Tracer()
     tracer.record_stack_traces = True  # source lines for the report (e.g. sync points)
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
@@ -116,28 +116,18 @@ def _trace_fx(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, grad
     return gm, reference, []  # fx graphs take any batch size unless the code fixes one
 
 
-def _batch_dynamic_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    def spec(leaf: Any) -> Any:
-        return {0: torch.export.Dim.AUTO} if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
-
-    return tuple(pytree.tree_map(spec, arg) for arg in args)
-
-
-def _trace_export(model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
-    dynamic_shapes = _batch_dynamic_shapes(args) if dynamic_batch else None
-    exported = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
+def _trace_export(model: nn.Module, args: tuple[Any, ...], request: Request, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
+    exported = torch.export.export(model, args, dynamic_shapes=request.export, strict=False)
     gm = exported.module()
     _remove_self_copies(gm)
+    fixed = tuple(asked - kept for asked, kept in zip(request.dims, dynamic.graph_dims(gm, args, request.dims), strict=True))
     notes = []
-    if dynamic_batch:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
-        static = [n.name for n in placeholders if n.meta["val"].dim() > 0 and isinstance(n.meta["val"].shape[0], int)]
-        if static:
-            notes.append(
-                f"torch.export fixed the batch dimension of {', '.join(static)} to the example's size "
-                "(a batch of 1, or a model that hard-codes its batch size): the optimized model accepts only that "
-                "batch size. Give example inputs with a batch of 2 or more to keep it dynamic."
-            )
+    if any(fixed):
+        one = " (a batch of 1 always is: give example inputs with a batch of 2 or more)" if dynamic.batch_size(args) == 1 else ""
+        notes.append(
+            f"torch.export fixed {dynamic.describe(fixed, request.names)} to the example's size{one}: the model's code ties "
+            "it to that size (e.g. a hard-coded batch or length), so the optimized model accepts only that size there"
+        )
     return gm, verify.run_reference(gm, args, gradients=gradients), notes
 
 
@@ -184,7 +174,7 @@ def check_frontend(frontend: str) -> None:
         raise InvalidOptionError(f"unknown frontend {frontend!r}: use one of {', '.join(map(repr, FRONTENDS))}")
 
 
-def _first_accepted(gm: fx.GraphModule, checks: Sequence[verify.Check], gradients: bool) -> tuple[verify.Check | None, verify.Reference | None]:
+def _first_accepted(gm: fx.GraphModule, checks: Iterable[verify.Check], gradients: bool) -> tuple[verify.Check | None, verify.Reference | None]:
     """The first of ``checks`` the graph runs on (an exported graph may refuse another batch size), with its run."""
     for check in checks:
         try:
@@ -224,8 +214,8 @@ def capture_graph(
     model: nn.Module,
     example: verify.Check,
     frontend: str = "auto",
-    dynamic_batch: bool = True,
-    others: Sequence[verify.Check] = (),
+    request: Request | None = None,
+    others: SecondInputs | None = None,
 ) -> Captured:
     """Capture ``model`` (which the caller owns: fx shares its submodules) and check it against eager.
 
@@ -233,17 +223,20 @@ def capture_graph(
     gradients on the example (`verify.run_reference`). ``others`` are second inputs the
     eager model accepts, most different first: the graph must match eager on the first
     one it accepts (`Captured.second`), so a frontend that specialised a value of the
-    example fails here.
+    example fails here. ``request``: the dimensions to keep dynamic (default: `graphopt.dynamic`'s).
     """
     check_frontend(frontend)
+    if request is None:
+        request = dynamic.request(dynamic.DEFAULT, example.args, argument_names(model, len(example.args)))
     started = time.perf_counter()
     attempts: dict[str, str] = {}
     gradients = example.expected.gradients is not None
     for name in progress.steps(("fx", "export") if frontend == "auto" else (frontend,), "capture"):
         try:
-            gm, actual, notes = _TRACERS[name](model, example.args, dynamic_batch, gradients)
+            gm, actual, notes = _TRACERS[name](model, example.args, request, gradients)
             reason = _mismatch(name, model, gm, actual, example)
-            second, second_actual = _first_accepted(gm, others, gradients) if reason is None else (None, None)
+            checks = others.varying(dynamic.graph_dims(gm, example.args, request.dims)) if others is not None else ()
+            second, second_actual = _first_accepted(gm, checks, gradients) if reason is None else (None, None)
             if second is not None and second_actual is not None:
                 reason = _mismatch(name, model, gm, second_actual, second)
         except Exception as error:  # any failure of a frontend is a reason to try the next one
@@ -275,19 +268,23 @@ def capture(
     example_inputs: Any,
     frontend: str = "auto",
     *,
+    dynamic_shapes: Any = dynamic.DEFAULT,
     dynamic_batch: bool = True,
 ) -> fx.GraphModule:
     """Capture ``model`` as an ``fx.GraphModule`` checked against eager execution.
 
     ``model`` is not modified: a deep copy is captured. ``example_inputs`` is a tensor
     or a tuple of positional arguments. ``frontend`` is ``"fx"``, ``"export"`` or
-    ``"auto"`` (fx, then export). The frontend used is in ``gm.meta["graphopt_frontend"]``.
+    ``"auto"`` (fx, then export). ``dynamic_shapes``: the dimensions to keep dynamic, as in
+    `graphopt.optimize` (``dynamic_batch=False`` is ``dynamic_shapes=None``). The frontend used is in
+    ``gm.meta["graphopt_frontend"]``.
     Raises `CaptureError` listing each frontend's reason when none succeeds.
     """
     check_model(model)
     args = check_inputs(model, example_inputs)
+    request = dynamic.request(dynamic_shapes if dynamic_batch else None, args, argument_names(model, len(args)))
     owned = copy.deepcopy(model)
     with preserved_user_objects(owned, module_attributes=False):  # tracing must not leave symbolic values in the user's objects
-        captured = capture_graph(owned, verify.Check(args, reference_run(owned, args), "the example inputs"), frontend, dynamic_batch)
+        captured = capture_graph(owned, verify.Check(args, reference_run(owned, args), "the example inputs"), frontend, request)
     captured.graph_module.meta["graphopt_frontend"] = captured.frontend
     return captured.graph_module

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from graphopt.errors import InvalidOptionError
@@ -54,12 +55,12 @@ def enable_cudnn_benchmark(gm: fx.GraphModule, device: torch.device) -> str | No
         return None
     dynamic = [
         node.name for node in gm.graph.find_nodes(op="placeholder")
-        if isinstance(node.meta.get("val"), torch.Tensor) and not all(isinstance(size, int) for size in node.meta["val"].shape)
+        if isinstance(node.meta.get("val"), torch.Tensor) and not all(map(is_concrete_int, node.meta["val"].shape))
     ]
     if dynamic:
         return (
             f"cudnn.benchmark left {'on' if torch.backends.cudnn.benchmark else 'off'}: the input shapes of "
-            f"{', '.join(dynamic)} are dynamic (dynamic_batch=False makes them static)"
+            f"{', '.join(dynamic)} are dynamic (dynamic_shapes=None makes them static)"
         )
     torch.backends.cudnn.benchmark = True
     return "cudnn.benchmark enabled: the graph has convolutions and static input shapes (cuDNN picks the fastest algorithm per shape)"

@@ -2,14 +2,14 @@
 
 A rewrite must be right for every input the optimized graph accepts, not only for the
 example it was planned on. `other_inputs` makes candidates for a second, independent
-check: another batch size, fresh values (resampled from the example's own values, so
+check: other sizes of the dimensions that may vary (`graphopt.dynamic`), fresh values (resampled from the example's own values, so
 integer ids, masks and value ranges stay valid) and other strides (channels_last for
 4-D/5-D tensors, transposed storage for 2-D/3-D, a strided view for 1-D). The caller
 keeps the first candidate the original model accepts.
 
 `InputSignature` is what the optimized module then accepts: per tensor input its dtype,
 device, rank and sizes, each size fixed to the example's unless it was verified to vary
-(the batch dimension). A call outside it raises `InputMismatchError` naming the input,
+(at a second size). A call outside it raises `InputMismatchError` naming the input,
 what the graph accepts and how to optimize for it, instead of a guard failure deep in
 torch or, worse, a wrong result.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from graphopt.dynamic import Dims, batch_size, leaf_names, second_sizes
 from graphopt.errors import InputMismatchError
 
 SEED = 1
@@ -37,12 +39,18 @@ def positional_parameters(signature: inspect.Signature) -> list[inspect.Paramete
 
 
 def positional_arguments(
-    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], length: int | None = None, parameters: list[inspect.Parameter] | None = None
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    length: int | None = None,
+    parameters: list[inspect.Parameter] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> tuple[Any, ...]:
     """A call ``(*args, **kwargs)`` of ``signature`` as positional arguments: named ones in their places, skipped ones at their defaults.
 
     ``length``: how many arguments to return (those of the example); None: up to the last one
     given. ``parameters``: `positional_parameters` of ``signature``, when the caller keeps them.
+    ``defaults``: values for skipped parameters instead of the signature's defaults.
     Raises `TypeError` for a call the signature does not take, or that names a keyword-only
     parameter or one beyond ``length`` (a graph takes positional inputs).
     """
@@ -57,7 +65,8 @@ def positional_arguments(
     beyond = [parameters[index].name for index in given if index >= count]
     if beyond:
         raise TypeError(f"{', '.join(beyond)} was not among the example inputs: optimize with example inputs that include it")
-    return tuple(bound.arguments.get(parameter.name, parameter.default) for parameter in parameters[:count])
+    defaults = defaults or {}
+    return tuple(bound.arguments.get(parameter.name, defaults.get(parameter.name, parameter.default)) for parameter in parameters[:count])
 
 
 @dataclass
@@ -66,7 +75,6 @@ class OtherInputs:
 
     args: tuple[Any, ...]
     description: str
-    batch: int | None  # its batch size when it differs from the example's, else None
 
 
 def describe_inputs(args: tuple[Any, ...]) -> str:
@@ -78,11 +86,6 @@ def describe_inputs(args: tuple[Any, ...]) -> str:
         return type(leaf).__name__
 
     return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
-
-
-def batch_size(args: tuple[Any, ...]) -> int | None:
-    """The example's batch size: the first dimension of its first tensor of rank >= 1."""
-    return next((leaf.shape[0] for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0), None)
 
 
 def _other_layout(shape: tuple[int, ...], example: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -118,30 +121,31 @@ def _fresh(example: torch.Tensor, shape: tuple[int, ...], strided: bool, generat
     return out, layout
 
 
-def other_inputs(args: tuple[Any, ...], vary_batch: bool) -> list[OtherInputs]:
-    """Candidate second inputs, most different first: other batch and strides, then fewer differences."""
+def other_inputs(args: tuple[Any, ...], dims: Dims) -> list[OtherInputs]:
+    """Candidate second inputs with the sizes of ``dims`` varied (`dynamic.second_sizes`): other strides first, then the example's."""
+    sizes = second_sizes(args, dims)
     batch = batch_size(args)
-    new_batch = None if batch is None or not vary_batch else batch + 1 if batch > 1 else 2
+    batch_varies = any(0 in mine and leaf.shape[0] == batch for leaf, mine in zip(pytree.tree_leaves(args), dims, strict=True))
+    changes = [f"batch {sizes[batch]} (example: {batch})" if batch_varies and batch is not None else "the example's batch size"]
+    changes += [f"size {new} (example: {old})" for old, new in sizes.items() if old != batch or not batch_varies]
     candidates = []
-    for use_batch in ([new_batch, None] if new_batch is not None else [None]):
-        for strided in (True, False):
-            generator = torch.Generator().manual_seed(SEED)
-            layouts: list[str] = []
+    for strided in (True, False):
+        generator = torch.Generator().manual_seed(SEED)
+        layouts: list[str] = []
+        leaf_dims = iter(dims)
 
-            def remake(leaf: Any) -> Any:
-                if not isinstance(leaf, torch.Tensor):
-                    return leaf
-                shape = tuple(leaf.shape)
-                if use_batch is not None and shape and shape[0] == batch:
-                    shape = (use_batch, *shape[1:])
-                tensor, layout = _fresh(leaf, shape, strided, generator)
-                layouts.append(layout)
-                return tensor
+        def remake(leaf: Any) -> Any:
+            mine = next(leaf_dims)
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            shape = tuple(sizes[size] if dim in mine else size for dim, size in enumerate(leaf.shape))
+            tensor, layout = _fresh(leaf, shape, strided, generator)
+            layouts.append(layout)
+            return tensor
 
-            made = pytree.tree_map(remake, args)
-            strides = ", ".join(sorted(set(layouts) - {"contiguous"})) or "contiguous"
-            batch_text = f"batch {use_batch} (example: {batch})" if use_batch is not None else "the example's batch size"
-            candidates.append(OtherInputs(made, f"{batch_text}, values resampled from the example's, {strides} strides", use_batch))
+        made = pytree.tree_map(remake, args)
+        strides = ", ".join(sorted(set(layouts) - {"contiguous"})) or "contiguous"
+        candidates.append(OtherInputs(made, f"{', '.join(changes)}, values resampled from the example's, {strides} strides"))
     return candidates
 
 
@@ -165,6 +169,12 @@ class TensorSpec:
         shape = value.shape
         return all(shape[dim] == size for dim, size in self.fixed)
 
+    def other_sizes(self, value: Any) -> list[int]:
+        """The fixed dimensions where ``value``, a tensor of the right dtype, device and rank, has another size."""
+        if not isinstance(value, torch.Tensor) or (value.dtype, value.device, value.dim()) != (self.dtype, self.device, len(self.sizes)):
+            return []
+        return [dim for dim, size in self.fixed if value.shape[dim] != size]
+
     def accepted(self) -> str:
         sizes = ", ".join("*" if size is None else str(size) for size in self.sizes)
         return f"Tensor[{sizes}] {str(self.dtype).removeprefix('torch.')} on {self.device}"
@@ -184,40 +194,41 @@ class TensorSpec:
         return None
 
 
+def argument_names(model: nn.Module, count: int) -> list[str]:
+    """forward()'s names for its first ``count`` positional arguments (``input<i>`` where it has none)."""
+    try:
+        positional = [parameter.name for parameter in positional_parameters(inspect.signature(model.forward))]
+    except (TypeError, ValueError):
+        positional = []
+    return [positional[i] if i < len(positional) else f"input{i}" for i in range(count)]
+
+
 class InputSignature:
     """The calls an optimized graph accepts: the example's structure, with verified dimensions free to vary."""
 
-    def __init__(self, model: nn.Module, args: tuple[Any, ...], dynamic_batch: bool, fixed_values: bool) -> None:
-        """``dynamic_batch``: dim 0 of the tensors that carry the batch may vary; ``fixed_values``:
-        non-tensor arguments must equal the example's (torch.export specialises them)."""
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], free: Dims, fixed_values: bool) -> None:
+        """``free``: per leaf of ``args``, the dimensions that may take other sizes (`graphopt.dynamic`);
+        ``fixed_values``: non-tensor arguments must equal the example's (torch.export specialises them)."""
         try:
             self.signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self.signature = None
         self.parameters = positional_parameters(self.signature) if self.signature else []  # kept: calls by name read them
-        positional = [parameter.name for parameter in self.parameters]
-        self.names = [positional[i] if i < len(positional) else f"input{i}" for i in range(len(args))]
-        leaves, self.spec = pytree.tree_flatten_with_path(args)
-        batch = batch_size(args)
-        self.dynamic_batch = dynamic_batch and batch is not None
+        self.names = argument_names(model, len(args))
+        leaves, self.spec = pytree.tree_flatten(args)
+        self.free = any(free)
         self.fixed_values = fixed_values
+        # a call that leaves out a non-tensor input the graph fixed (use_cache=False) gets the example's value
+        self.settings = {name: value for name, value in zip(self.names, args) if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))}
         self.leaves: list[TensorSpec | tuple[str, Any]] = []
-        for path, leaf in leaves:
-            name = self._name(path)
+        for name, leaf, dims in zip(leaf_names(args, self.names), leaves, free, strict=True):
             if isinstance(leaf, torch.Tensor):
-                sizes: tuple[int | None, ...] = tuple(leaf.shape)
-                if self.dynamic_batch and sizes and sizes[0] == batch:
-                    sizes = (None, *sizes[1:])
+                sizes = tuple(None if dim in dims else size for dim, size in enumerate(leaf.shape))
                 self.leaves.append(TensorSpec(name, leaf.dtype, leaf.device, sizes))
             else:
                 self.leaves.append((name, leaf))
         # the usual call, a flat tuple of tensors, is checked without flattening
         self.tensors_only = len(args) == len(self.leaves) and all(isinstance(leaf, TensorSpec) for leaf in self.leaves)
-
-    def _name(self, path: tuple[Any, ...]) -> str:
-        index = path[0].idx if path and isinstance(path[0], pytree.SequenceKey) else None
-        head = self.names[index] if index is not None and index < len(self.names) else "input"
-        return head + pytree.keystr(path[1:])
 
     def describe(self) -> str:
         """What the graph accepts, e.g. ``(x: Tensor[*, 3, 224, 224] float32 on cpu, scale: float)``."""
@@ -231,12 +242,13 @@ class InputSignature:
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments of a call that may name some of them."""
-        if not kwargs:
+        if not kwargs and (len(args) >= len(self.names) or not self.fixed_values or self.signature is None):
             return args
         if self.signature is None:
             raise InputMismatchError("this optimized module takes positional arguments only: call it like the example inputs")
         try:
-            return positional_arguments(self.signature, args, kwargs, length=len(self.names), parameters=self.parameters)
+            defaults = self.settings if self.fixed_values else None
+            return positional_arguments(self.signature, args, kwargs, length=len(self.names), parameters=self.parameters, defaults=defaults)
         except TypeError as error:
             raise InputMismatchError(f"the call does not fit forward{self.signature}: {error}") from error
 
@@ -250,17 +262,27 @@ class InputSignature:
         for expected, value in zip(self.leaves, leaves, strict=True):
             if isinstance(expected, TensorSpec):
                 if not expected.fits(value):
-                    self._refuse(expected.name, expected.mismatch(value) or "")
+                    self._refuse(expected.name, expected.mismatch(value) or "", expected.other_sizes(value))
             else:
                 name, example = expected
                 same = type(value) is type(example) and (not self.fixed_values or value == example)
                 if not same:
                     self._refuse(name, f"is {value!r}")
 
-    def _refuse(self, what: str, problem: str) -> None:
-        sizes = "* is any batch size (verified on a second one), every other size is the example's" if self.dynamic_batch else "every size is the example's"
+    def _refuse(self, what: str, problem: str, dims: list[int] | None = None) -> None:
+        sizes = "* sizes vary (each verified at a second size), the others are the example's" if self.free else "every size is the example's"
+        if dims:
+            example = "{" + repr(what.split("[")[0]) + ": {" + ", ".join(f"{dim}: torch.export.Dim.AUTO" for dim in dims) + "}}"
+            fix = (
+                f"To call it with other sizes there, optimize with dynamic_shapes={example} (or dynamic_shapes='auto': every "
+                "dimension the model allows); the report's notes say why a dimension that was asked for stayed fixed."
+            )
+        else:
+            fix = (
+                "Optimize the model again with example inputs like the ones you call it with (one optimized module per input "
+                "dtype or rank), or call the original model."
+            )
         raise InputMismatchError(
             f"{what} {problem}, but this optimized module accepts {self.describe()}, where {sizes}. It was captured and "
-            "verified for those inputs only and may compute something else for others. Optimize the model again with example "
-            "inputs like the ones you call it with (one optimized module per input shape or dtype), or call the original model."
+            f"verified for those inputs only and may compute something else for others. {fix}"
         )

@@ -180,6 +180,7 @@ class Report:
     verified: bool = True
     tolerance: float | None = None
     second_input: str = ""  # how the second input the final graph was verified on differs from the example ("": none)
+    dynamic: str = ""  # the input dimensions calls may vary, e.g. "input_ids dims 0, 1" (see graphopt.dynamic)
     second_input_error: float | None = None  # the final graph's error on it
     second_input_gradient_error: float | None = None  # training: the final graph's gradient error on it
     warnings: list[str] = field(default_factory=list)  # what the user must know: rolled-back passes, side effects, unverifiable outputs
@@ -231,6 +232,8 @@ class Report:
             if self.second_input_gradient_error is not None:
                 error += f", gradient error {self.second_input_gradient_error:.1e}"
             header += f"\nsecond input: {self.second_input}{error}"
+        if self.dynamic:
+            header += f"\ndynamic sizes: {self.dynamic}"
         return header
 
     def _columns(self) -> tuple[str, ...]:

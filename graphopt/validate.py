@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,7 +13,8 @@ from torch.utils import _pytree as pytree
 
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError
-from graphopt.inputs import OtherInputs, describe_inputs, other_inputs, positional_arguments
+from graphopt.dynamic import Dims, batch_size
+from graphopt.inputs import OtherInputs, describe_inputs, other_inputs, positional_arguments, positional_parameters
 
 
 def _with_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -74,6 +74,7 @@ def positional_inputs(model: nn.Module, example_inputs: Any, kwargs: Mapping[str
 def check_inputs(model: nn.Module, example_inputs: Any, device: torch.device | None = None) -> tuple[Any, ...]:
     """`positional_inputs`, checked: they hold a tensor, on the model's device (``device``: where it will be moved)."""
     args = positional_inputs(model, example_inputs)
+    _check_cache_arguments(model, args)
     if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(args)):
         raise InvalidInputsError(
             f"example_inputs {describe_inputs(args)} contain no tensor: pass example tensors with the shapes, "
@@ -107,11 +108,17 @@ def reference_run(model: nn.Module, args: tuple[Any, ...], gradients: bool = Fal
         if dtypes and input_dtypes and not input_dtypes <= dtypes:
             hint = f" The inputs are {', '.join(sorted(map(str, input_dtypes)))} but the parameters are {', '.join(sorted(map(str, dtypes)))}."
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if isinstance(error, TypeError) and "got multiple values for argument" in message:
+            hint += (
+                f" {type(model).__name__}.forward is wrapped by a decorator that passes {message.rsplit(' ', 1)[-1]} by keyword itself: "
+                "leave it out of the example inputs and set it on the model instead (e.g. model.config.use_cache = False)."
+            )
         raise InvalidInputsError(
             f"{type(model).__name__} raised {type(error).__name__} when called with example inputs "
             f"{describe_inputs(args)}: {message}.{hint} Pass example inputs that model(*example_inputs) accepts "
             "(check the number of arguments, shapes, dtypes and device)."
         ) from error
+    _check_cache_outputs(model, reference.outputs)
     if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(reference.outputs)):
         raise InvalidModelError(
             f"{type(model).__name__}.forward() returned {_kind(reference.outputs)} on the example inputs, with no tensor in it: "
@@ -126,6 +133,49 @@ def reference_run(model: nn.Module, args: tuple[Any, ...], gradients: bool = Fal
             "Pass example inputs for which the model's outputs are finite numbers."
         )
     return reference
+
+
+def _is_cache(parameter: inspect.Parameter) -> bool:
+    """Whether forward()'s ``parameter`` takes a key/value cache (Hugging Face's ``cache``/``past_key_values``)."""
+    return parameter.name in ("cache", "past_key_values", "cache_params") or "Cache" in str(parameter.annotation)
+
+
+def _check_cache_arguments(model: nn.Module, args: tuple[Any, ...]) -> None:
+    """A tensor given by position where forward() takes a cache: the inputs were meant by name (GPT-2's ``(ids, mask)``)."""
+    try:
+        parameters = positional_parameters(inspect.signature(model.forward))
+    except (TypeError, ValueError):
+        return
+    for index, (parameter, value) in enumerate(zip(parameters, args)):
+        if isinstance(value, torch.Tensor) and _is_cache(parameter):
+            names = [p.name for p in parameters]
+            raise InvalidInputsError(
+                f"example input {index + 1} is a tensor, but parameter {index + 1} of {type(model).__name__}.forward is "
+                f"{parameter.name!r}, a key/value cache ({', '.join(names[: index + 2])}, ...): pass the inputs by name, e.g. "
+                "optimize(model, {'input_ids': ids, 'attention_mask': mask}), and call the optimized model the same way"
+            )
+
+
+def _check_cache_outputs(model: nn.Module, outputs: Any) -> None:
+    """Outputs holding a key/value cache object: graphs return tensors, and a cache grows with every call."""
+    caches = [(path, leaf) for path, leaf in pytree.tree_flatten_with_path(outputs)[0] if type(leaf).__name__.endswith("Cache")]
+    if not caches:
+        return
+    path, cache = caches[0]
+    try:
+        takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_use_cache = False
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        fix = "Set model.config.use_cache = False before optimize (the optimized model then returns no cache: fine for encoding and scoring)"
+    elif takes_use_cache:
+        fix = "Pass use_cache=False with the example inputs (the optimized model then returns no cache)"
+    else:
+        fix = "Return the tensors the cache holds instead, or optimize a module that does not keep one"
+    raise InvalidInputsError(
+        f"{type(model).__name__} returns a {type(cache).__name__} (output{pytree.keystr(path)}) on the example inputs: a key/value "
+        f"cache object, which an optimized graph cannot return (it returns tensors, and the cache changes every call). {fix}."
+    )
 
 
 def _kind(value: Any) -> str:
@@ -144,27 +194,51 @@ def _unusable_output(outputs: Any) -> str | None:
 class SecondInputs:
     """Second inputs the eager model accepts with usable outputs, most different from the example first.
 
-    Candidates come from `graphopt.inputs.other_inputs`, made when first iterated; each is
-    run eagerly the first time it is asked for (a graph that accepts the first needs no
-    more), and kept.
+    Candidates come from `graphopt.inputs.other_inputs`, made and run eagerly when first
+    asked for (a graph that accepts the first needs no more), and kept. `varying` yields
+    them for the dimensions a graph may vary: all of them at once; when the model refuses
+    that, those it accepts one size at a time, together; the batch alone; none.
     """
 
-    def __init__(self, model: nn.Module, args: tuple[Any, ...], vary_batch: bool, gradients: bool) -> None:
-        self.model, self.args, self.vary_batch, self.gradients = model, args, vary_batch, gradients
-        self.checks: dict[int, verify.Check | None] = {}
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], dims: Dims, gradients: bool) -> None:
+        self.model, self.args, self.dims, self.gradients = model, args, dims, gradients
+        self.checks: dict[tuple[Dims, bool], verify.Check | None] = {}  # (dims varied, other strides) -> its run
         self.refused: list[str] = []  # why the eager model refused candidates
 
-    @functools.cached_property
-    def candidates(self) -> list[OtherInputs]:
-        return other_inputs(self.args, self.vary_batch)
-
     def __iter__(self) -> Iterator[verify.Check]:
-        for index, candidate in enumerate(self.candidates):
-            if index not in self.checks:
-                self.checks[index] = self._run(candidate)
-            check = self.checks[index]
+        return self.varying(self.dims)
+
+    def varying(self, dims: Dims) -> Iterator[verify.Check]:
+        """The checks for a graph that may vary ``dims`` (a subset of the requested ones), most different first."""
+        leaves = pytree.tree_leaves(self.args)
+        batch = batch_size(self.args)
+        batch_only = tuple(frozenset(mine & {0}) if isinstance(leaf, torch.Tensor) and leaf.shape[0:1] == (batch,) else frozenset() for leaf, mine in zip(leaves, dims))
+        nothing = tuple(frozenset() for _ in leaves)
+        found = yield from self._checks(dims)
+        sizes = {leaf.shape[dim] for leaf, mine in zip(leaves, dims) for dim in mine}
+        if not found and len(sizes) > 1:  # one size the model cannot take (a channel count) must not fix the others
+            accepted = [
+                size for size in sizes
+                if self._check(tuple(frozenset(dim for dim in mine if leaf.shape[dim] == size) for leaf, mine in zip(leaves, dims)), False)
+            ]  # fmt: skip
+            yield from self._checks(tuple(frozenset(dim for dim in mine if leaf.shape[dim] in accepted) for leaf, mine in zip(leaves, dims)))
+        yield from self._checks(batch_only)
+        yield from self._checks(nothing)
+
+    def _checks(self, dims: Dims) -> Generator[verify.Check, None, bool]:
+        """The checks varying ``dims`` that the model accepts, other strides first; whether there was one."""
+        found = False
+        for strided in (True, False):
+            check = self._check(dims, strided)
             if check is not None:
+                found = True
                 yield check
+        return found
+
+    def _check(self, dims: Dims, strided: bool) -> verify.Check | None:
+        if (dims, strided) not in self.checks:
+            self.checks[dims, strided] = self._run(other_inputs(self.args, dims)[0 if strided else 1])
+        return self.checks[dims, strided]
 
     def _run(self, candidate: OtherInputs) -> verify.Check | None:
         try:
@@ -176,4 +250,4 @@ class SecondInputs:
         if unusable is not None:
             self.refused.append(f"{candidate.description}: the model's {unusable} holds NaN or no finite value")
             return None
-        return verify.Check(candidate.args, reference, f"a second input ({candidate.description})", candidate.batch, candidate.description)
+        return verify.Check(candidate.args, reference, f"a second input ({candidate.description})", candidate.description)

@@ -197,7 +197,6 @@ class Check:
     args: tuple[Any, ...]
     expected: Reference  # outputs; in training also the gradients of `projection_loss`
     description: str  # e.g. "the example inputs", "a second input (batch 9 (example: 8), ...)"
-    batch: int | None = None  # its batch size where it differs from the example's
     differences: str = ""  # how it differs from the example, e.g. "batch 9 (example: 8), ... channels_last strides"
 
 

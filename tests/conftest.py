@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import graphopt
+from graphopt import dynamic
 from graphopt.passes import PassContext
 from graphopt.validate import SecondInputs
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
@@ -97,7 +98,8 @@ def second_inputs(model: nn.Module, inputs: tuple[Any, ...], vary_batch: bool = 
     The one graphopt verifies on (`graphopt.validate.SecondInputs`): the first of its
     candidates, most different first, that the eager model runs on with usable outputs.
     """
-    accepted = SecondInputs(copy.deepcopy(model), inputs, vary_batch, gradients=False)
+    dims = dynamic.requested("batch+sequence" if vary_batch else None, inputs, [f"input{i}" for i in range(len(inputs))])
+    accepted = SecondInputs(copy.deepcopy(model), inputs, dims, gradients=False)
     check = next(iter(accepted), None)
     assert check is not None, f"the model accepts no second input: {accepted.refused}"
     return check.args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -113,9 +114,10 @@ def test_export_batch_dimension_is_dynamic_by_default() -> None:
     torch.testing.assert_close(gm(other), model(other))
 
 
-def test_export_static_batch_when_asked() -> None:
+@pytest.mark.parametrize("static", [{"dynamic_shapes": None}, {"dynamic_batch": False}])
+def test_export_static_batch_when_asked(static: dict[str, Any]) -> None:
     model = nn.Linear(3, 2).eval()
-    gm = graphopt.capture(model, torch.randn(2, 3), frontend="export", dynamic_batch=False)
+    gm = graphopt.capture(model, torch.randn(2, 3), frontend="export", **static)
     with pytest.raises(AssertionError, match=r"Guard failed: .*size\(\)\[0\] == 2"):
         gm(torch.randn(5, 3))
 

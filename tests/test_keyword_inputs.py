@@ -95,22 +95,3 @@ def test_export_onnx_takes_keyword_inputs(tmp_path) -> None:
     types = torch.randint(0, 2, (4, 6))
     report = graphopt.export_onnx(Encoder().eval(), {"input_ids": batch(4)["input_ids"], "token_type_ids": types}, tmp_path / "encoder.onnx")
     assert report.batch_sizes == [4, 5] and report.max_error < 1e-5
-
-
-def test_a_hugging_face_bert_called_with_keywords() -> None:
-    """BERT the way people call it: keyword inputs and an attention mask; its output class is kept."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-    bert = transformers.BertModel(config).eval()
-    mask = torch.ones(8, 16, dtype=torch.long)
-    mask[:, 12:] = 0
-    fast = graphopt.optimize(bert, {"input_ids": torch.randint(0, 100, (8, 16)), "attention_mask": mask})
-    ids, mask = torch.randint(0, 100, (3, 16)), torch.ones(3, 16, dtype=torch.long)
-    mask[1, 10:] = 0
-    out, expected = fast(input_ids=ids, attention_mask=mask), bert(input_ids=ids, attention_mask=mask)
-    assert type(out) is type(expected)
-    torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out.pooler_output, expected.pooler_output, rtol=1e-4, atol=1e-5)
-    with pytest.raises(graphopt.InputMismatchError, match=r"input_ids has shape \[3, 40\]"):  # other sequence lengths: not yet
-        fast(input_ids=torch.randint(0, 100, (3, 40)), attention_mask=torch.ones(3, 40, dtype=torch.long))

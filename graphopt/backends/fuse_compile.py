@@ -30,9 +30,10 @@ optimize the copy again to compile it.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from graphopt import progress, verify
+from graphopt.dynamic import Dims
 from graphopt.ops import layout_of, record
 from graphopt.ops.record import RunContext
 from graphopt.passes.extract_pointwise_regions import REGION_PREFIX, extract_pointwise_regions
@@ -208,10 +210,12 @@ def _make_compiled(backend: str, module: fx.GraphModule) -> tuple[Callable[..., 
     return torch.compile(module, backend=counter, fullgraph=True), counter
 
 
-def _warm_up(compiled: Callable[..., Any], args: tuple[Any, ...], batch: set[int], backend: str, context: RunContext) -> float:
-    """Compile by calling, in the autograd mode the model runs in (a compiled graph is specific to it); the seconds it took."""
-    for i in batch:
-        torch._dynamo.maybe_mark_dynamic(args[i], 0)
+def _warm_up(compiled: Callable[..., Any], args: tuple[Any, ...], dynamic: Mapping[int, Collection[int]], backend: str, context: RunContext) -> float:
+    """Compile by calling, in the autograd mode the model runs in (a compiled graph is specific to it); the seconds it took.
+
+    ``dynamic``: argument index -> the dimensions compiled as dynamic."""
+    for i, dims in dynamic.items():
+        torch._dynamo.maybe_mark_dynamic(args[i], list(dims))
     started = time.perf_counter()
     with context():
         for _ in range(2 if backend == "torchscript" else 1):  # TorchScript's profiling executor optimizes on the second run
@@ -262,7 +266,7 @@ def compile_regions(gm: fx.GraphModule, backend: str, example_inputs: tuple[Any,
         else:
             try:
                 compiled, counter = _make_compiled(backend, region)
-                entry.compile_seconds = _warm_up(compiled, args, batch.get(name, set()), backend, context)
+                entry.compile_seconds = _warm_up(compiled, args, dict.fromkeys(batch.get(name, ()), (0,)), backend, context)
                 entry.reason = _check(compiled, region, args, context)
             except Exception as error:  # noqa: BLE001 - any backend failure leaves the region eager, with the reason
                 entry.reason = f"{backend} failed: {_first_line(error)}"
@@ -279,17 +283,19 @@ def compile_regions(gm: fx.GraphModule, backend: str, example_inputs: tuple[Any,
     return report
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *, context: RunContext, dynamic_batch: bool) -> tuple[FusedRegion, FusionReport]:
-    """The whole graph compiled with torch.compile (Inductor), compiled now on the example inputs."""
+def compile_graph(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *, context: RunContext, dynamic: Dims) -> tuple[FusedRegion, FusionReport]:
+    """The whole graph compiled with torch.compile (Inductor), compiled now on the example inputs, with the
+    dimensions of ``dynamic`` (per leaf of the inputs) dynamic."""
     report = FusionReport("graph")
     runner = FusedRegion(gm, "graph")
     entry = RegionReport("graph", [f"{sum(n.op not in ('placeholder', 'output', 'get_attr') for n in gm.graph.nodes)} nodes"], "graph", "compiled")
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs)  # marking leaves the user's tensors alone
-    batch = {i for i, a in enumerate(args) if dynamic_batch and isinstance(a, torch.Tensor) and a.dim() > 0}
+    first_leaf = itertools.accumulate((len(pytree.tree_leaves(a)) for a in args), initial=0)
+    marks = {i: dynamic[leaf] for i, (a, leaf) in enumerate(zip(args, first_leaf)) if isinstance(a, torch.Tensor) and dynamic[leaf]}
     try:
         compiled, counter = _make_compiled("inductor", gm)
         with verify.isolated(gm):
-            entry.compile_seconds = _warm_up(compiled, args, batch, "inductor", context)
+            entry.compile_seconds = _warm_up(compiled, args, marks, "inductor", context)
         runner.use(compiled, counter)
     except Exception as error:  # noqa: BLE001 - the graph stays eager, with the reason
         entry.status, entry.reason = "eager", f"torch.compile failed: {_first_line(error)}"

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
-from graphopt.errors import CheckpointError, ModeSwitchError
+from graphopt.errors import CheckpointError, InputMismatchError, ModeSwitchError
 from graphopt.inputs import InputSignature
 from graphopt.ops import get_attr, writes_in_place
 from graphopt.report import Report
@@ -89,10 +89,18 @@ class OptimizedModule(nn.Module):
             args = self.input_signature.bind(args, kwargs)
             self.input_signature.check(args)
             kwargs = {}
-        if self.graphopt_report.mode == "training":
-            return self._runner(*args, **kwargs)
-        with torch.inference_mode() if self.inference_mode else torch.no_grad():
-            return self._runner(*args, **kwargs)
+        try:
+            if self.graphopt_report.mode == "training":
+                return self._runner(*args, **kwargs)
+            with torch.inference_mode() if self.inference_mode else torch.no_grad():
+                return self._runner(*args, **kwargs)
+        except AssertionError as error:
+            if not str(error).startswith("Guard failed"):
+                raise
+            raise InputMismatchError(
+                f"this call is outside the sizes the captured graph allows ({str(error).removeprefix('Guard failed: ')}): torch.export "
+                "found that the model's code limits them (e.g. a maximum sequence length). Call it with sizes in that range."
+            ) from error
 
     def train(self, mode: bool = True) -> OptimizedModule:
         report = self.graphopt_report
