@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test fuzz demo notebooks bench bench-reference bench-gpu clean
+.PHONY: venv test fuzz demo notebooks bench bench-reference bench-transformers bench-gpu clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,11 @@ bench: $(BENCH_STAMP)
 # Every variant on the small reference models, batch 8: bench-results/reference/bench.{json,md,png}.
 bench-reference: $(BENCH_STAMP)
 	$(VENV)/bin/graphopt bench --models reference --batch 8 --output-dir bench-results/reference $(BENCH_ARGS)
+
+# BERT-base- and GPT-2-small-sized models (random weights, from configs), batch 8, sequence 128, with an attention mask:
+# graphopt against eager, torch.compile and onnxruntime, interleaved (about 10 minutes on 2 cores). BENCH_ARGS: e.g. "--rounds 20".
+bench-transformers: $(BENCH_STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m graphopt.bench.transformers $(BENCH_ARGS)
 
 # The same on one CUDA GPU, within 8 minutes: no variant starts after 5 minutes, and the JSON is written after each model.
 bench-gpu: $(BENCH_STAMP)

@@ -1,0 +1,143 @@
+"""Transformer benchmark: BERT-base- and GPT-2-small-sized models (built from configs, random weights), batch 8,
+sequence 128, with an attention mask, called by keyword; graphopt against eager, torch.compile and onnxruntime.
+
+Run ``make bench-transformers`` (or ``python -m graphopt.bench.transformers``) on a quiet machine: every
+variant is timed interleaved in one process, and the table gives speedups over eager (median of the rounds)
+and each variant's largest error relative to eager's output scale, with the CPU model and thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import platform
+import statistics
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import graphopt
+from graphopt.timing import interleaved_samples
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s), or the platform's processor string."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+MODELS = ("bert-base", "gpt2-small")
+
+
+def build(name: str, small: bool = False) -> nn.Module:
+    """The model with its real sizes (the configs' defaults), or 2 layers 32 wide with ``small`` (a smoke run)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "bert-base":
+        sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if small else {}
+        return transformers.BertModel(transformers.BertConfig(**sizes)).eval()
+    if name == "gpt2-small":
+        sizes = dict(n_embd=32, n_layer=2, n_head=2) if small else {}
+        return transformers.GPT2Model(transformers.GPT2Config(use_cache=False, **sizes)).eval()
+    raise SystemExit(f"unknown model {name!r}: use {', '.join(MODELS)}")
+
+
+def example(batch: int, length: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1:, length - length // 4 :] = 0  # padded rows, as in a batch of sentences of different lengths
+    return {"input_ids": torch.randint(0, 1000, (batch, length), generator=generator), "attention_mask": mask}
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    return output[0] if not isinstance(output, torch.Tensor) else output
+
+
+def onnxruntime_runner(model: nn.Module, inputs: dict[str, torch.Tensor], workdir: Path) -> Callable[[], Any]:
+    import onnxruntime
+
+    path = workdir / "model.onnx"
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
+    assert program is not None
+    program.save(str(path))
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [spec.name for spec in session.get_inputs()]
+    feeds = {name: inputs[name].numpy() for name in names}
+    return lambda: torch.from_numpy(session.run(None, feeds)[0])
+
+
+def variants(model: nn.Module, inputs: dict[str, torch.Tensor], workdir: Path, only: set[str] | None) -> dict[str, Callable[[], Any]]:
+    """Each variant as a zero-argument call returning the model's first output (last hidden state)."""
+    makers: dict[str, Callable[[], Callable[[], Any]]] = {
+        "eager": lambda: lambda: model(**inputs),
+        "graphopt default": lambda: (lambda fast: lambda: fast(**inputs))(graphopt.optimize(model, inputs, progress=False)),
+        "graphopt tune=True (exact)": lambda: (lambda fast: lambda: fast(**inputs))(graphopt.optimize(model, inputs, tune=True, progress=False)),
+        "torch.compile": lambda: (lambda compiled: lambda: compiled(**inputs))(torch.compile(model)),
+        "onnxruntime fp32": lambda: onnxruntime_runner(model, inputs, workdir),
+    }
+    built = {}
+    for name, make in makers.items():
+        if only and name not in only and name != "eager":
+            continue
+        try:
+            run = make()
+            with torch.inference_mode():
+                run()  # compiles where the variant compiles
+            built[name] = run
+        except Exception as error:  # noqa: BLE001 - a failing peer is reported, not fatal
+            print(f"  {name}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+    return built
+
+
+def measure(name: str, batch: int, length: int, rounds: int, only: set[str] | None, small: bool = False) -> list[tuple[str, float, float]]:
+    """(variant, speedup over eager, max error relative to eager's scale) for one model."""
+    model, inputs = build(name, small), example(batch, length)
+    with tempfile.TemporaryDirectory() as workdir:
+        runs = variants(model, inputs, Path(workdir), only)
+        with torch.inference_mode():
+            reference = first_tensor(runs["eager"]())
+            errors = {key: float((first_tensor(run()) - reference).abs().max() / reference.abs().max()) for key, run in runs.items()}
+            samples = interleaved_samples(runs, rounds=rounds, warmup=2)
+    eager = statistics.median(samples["eager"])
+    return [(key, eager / statistics.median(times), errors[key]) for key, times in samples.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--variants", default="", help="comma-separated variant names (eager always runs)")
+    parser.add_argument("--small", action="store_true", help="2-layer, 32-wide models: checks the benchmark runs, measures nothing")
+    args = parser.parse_args(argv)
+    only = {name.strip() for name in args.variants.split(",") if name.strip()} or None
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, graphopt {graphopt.__version__}")
+    print(f"batch {args.batch}, sequence {args.length}, attention mask; speedup = eager / variant, median of {args.rounds} interleaved rounds\n")
+    print("| model | variant | speedup vs eager | max error |")
+    print("|---|---|---|---|")
+    for name in args.models.split(","):
+        for key, speedup, error in measure(name, args.batch, args.length, args.rounds, only, args.small):
+            print(f"| {name} | {key} | {speedup:.2f}x | {error:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    raise SystemExit(main())
