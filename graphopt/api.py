@@ -177,10 +177,7 @@ def optimize(
             raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
         infos = select_passes(resolved_mode, passes, disable, preserve_layout=memory_format == "preserve", low_precision=low_dtype is not None, fuse=fuse)
         check_frontend(frontend)  # every option is checked before the costly steps below
-        if not dynamic_batch:
-            if dynamic_shapes != dynamic.DEFAULT:
-                raise InvalidOptionError("dynamic_batch=False contradicts dynamic_shapes: give dynamic_shapes only (None fixes every size)")
-            dynamic_shapes = None
+        dynamic_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
         strict = _check_verify(verify)
         if tune:
             fixed = {

@@ -282,7 +282,7 @@ def capture(
     """
     check_model(model)
     args = check_inputs(model, example_inputs)
-    request = dynamic.request(dynamic_shapes if dynamic_batch else None, args, argument_names(model, len(args)))
+    request = dynamic.request(dynamic.resolve(dynamic_shapes, dynamic_batch), args, argument_names(model, len(args)))
     owned = copy.deepcopy(model)
     with preserved_user_objects(owned, module_attributes=False):  # tracing must not leave symbolic values in the user's objects
         captured = capture_graph(owned, verify.Check(args, reference_run(owned, args), "the example inputs"), frontend, request)

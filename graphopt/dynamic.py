@@ -52,6 +52,15 @@ class Request:
     names: tuple[str, ...]  # a name per leaf, e.g. "input_ids", "pair[0]"
 
 
+def resolve(value: Any, dynamic_batch: bool) -> Any:
+    """``dynamic_shapes`` given the older ``dynamic_batch`` switch (False is None); both given raises `InvalidOptionError`."""
+    if dynamic_batch:
+        return value
+    if value != DEFAULT:
+        raise InvalidOptionError("dynamic_batch=False contradicts dynamic_shapes: give dynamic_shapes only (None fixes every size)")
+    return None
+
+
 def request(value: Any, args: tuple[Any, ...], names: Sequence[str]) -> Request:
     """What ``dynamic_shapes=value`` asks for, for example inputs ``args`` (forward()'s ``names`` for them), checked."""
     check_dynamic_shapes(value, names)
@@ -156,12 +165,17 @@ def export_spec(value: Any, args: tuple[Any, ...], names: Sequence[str], wanted:
     """The ``dynamic_shapes`` to hand torch.export: the user's own spec, or ``Dim.AUTO`` on each ``wanted`` dimension."""
     if value is not None and not isinstance(value, str):
         return _per_argument(value, names)
-    if not any(wanted):
+    return auto_spec(args, wanted)
+
+
+def auto_spec(args: tuple[Any, ...], dims: Dims) -> tuple[Any, ...] | None:
+    """torch.export's ``dynamic_shapes`` with ``Dim.AUTO`` on each dimension of ``dims`` (None: all static)."""
+    if not any(dims):
         return None
-    dims = iter(wanted)
+    leaf_dims = iter(dims)
 
     def spec(leaf: Any) -> Any:
-        mine = next(dims)
+        mine = next(leaf_dims)
         return {dim: torch.export.Dim.AUTO for dim in sorted(mine)} if isinstance(leaf, torch.Tensor) and mine else None
 
     return tuple(pytree.tree_map(spec, arg) for arg in args)

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from graphopt import dynamic
 from graphopt.api import optimize as optimize_model
 from graphopt.backends.onnx_export import ExportReport, write_checked
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError
+from graphopt.inputs import argument_names
 from graphopt.pipeline import onnx_left_out, onnx_refused
 from graphopt.runtime import OptimizedModule, prepacked_modules
 from graphopt.validate import check_inputs, check_model
@@ -33,6 +35,7 @@ def export_onnx(
     path: str | os.PathLike[str],
     *,
     optimize: bool = True,
+    dynamic_shapes: Any = dynamic.DEFAULT,
     dynamic_batch: bool = True,
     opset: int | None = None,
     verify: bool = True,
@@ -45,7 +48,9 @@ def export_onnx(
 
     ``optimize_options`` go to `graphopt.optimize` (``memory_format`` defaults to
     ``"preserve"`` here, ``mode`` to ``"inference"``). An `OptimizedModule` with
-    ``optimize=False`` is exported as it is. ``external_data``: weights in a
+    ``optimize=False`` is exported as it is. ``dynamic_shapes`` (and ``dynamic_batch``): the
+    dimensions the file takes other sizes of, as in `graphopt.optimize` (an `OptimizedModule`
+    keeps its own); each is checked in onnxruntime at a second size. ``external_data``: weights in a
     ``<name>.data`` file (None: only for models over 2 GB). ``compare_plain``: also
     export the original model plainly, for the node counts in the report. Raises `ExportError` when the exporter,
     the checker or onnxruntime fails, `VerificationError` when onnxruntime's outputs
@@ -54,6 +59,9 @@ def export_onnx(
     started = time.perf_counter()
     check_model(model)
     args = check_inputs(model, example_inputs)
+    dynamic_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
+    names = argument_names(model, len(args))
+    request = dynamic.request(dynamic_shapes, args, names)  # checked before anything costly
     destination = Path(path)
     if destination.suffix != ".onnx":
         raise ExportError(f"{destination} does not end in .onnx: name the file you want written, e.g. model.onnx")
@@ -83,17 +91,18 @@ def export_onnx(
         optimize_options.setdefault("mode", "inference")
         # CPU-only kernels have no ONNX form; in-place writes save allocations in PyTorch only
         optimize_options["disable"] = [*optimize_options.get("disable", ()), *onnx_left_out()]
-        optimized = optimize_model(model, args, dynamic_batch=dynamic_batch, verify=verify, **optimize_options)
-        exported, report = optimized.graph_module, optimized.graphopt_report
+        optimized = optimize_model(model, args, dynamic_shapes=dynamic_shapes, verify=verify, **optimize_options)
+        exported, report, signature = optimized.graph_module, optimized.graphopt_report, optimized.input_signature
     elif isinstance(model, OptimizedModule):
-        exported, report = model.graph_module, model.graphopt_report
+        exported, report, signature = model.graph_module, model.graphopt_report, model.input_signature
     else:
-        exported, report = model, None
+        exported, report, signature = model, None, None
+    dims = signature.dims() if signature is not None else request.dims
 
     compute_dtype = {"fp16": torch.float16}.get(optimize_options.get("precision", "fp32"))
     plain = reference if compare_plain and not isinstance(model, OptimizedModule) else None
     written = write_checked(
-        exported, reference, args, destination, dynamic_batch=dynamic_batch, opset=opset, verify=verify, compute_dtype=compute_dtype,
+        exported, reference, args, destination, dynamic=dims, names=request.names, opset=opset, verify=verify, compute_dtype=compute_dtype,
         plain=plain, external_data=external_data, name=type(model).__name__,
     )  # fmt: skip
     written.optimize_report = report

@@ -230,6 +230,10 @@ class InputSignature:
         # the usual call, a flat tuple of tensors, is checked without flattening
         self.tensors_only = len(args) == len(self.leaves) and all(isinstance(leaf, TensorSpec) for leaf in self.leaves)
 
+    def dims(self) -> Dims:
+        """Per leaf of the inputs, the dimensions calls may vary."""
+        return tuple(frozenset(d for d, size in enumerate(leaf.sizes) if size is None) if isinstance(leaf, TensorSpec) else frozenset() for leaf in self.leaves)
+
     def describe(self) -> str:
         """What the graph accepts, e.g. ``(x: Tensor[*, 3, 224, 224] float32 on cpu, scale: float)``."""
         parts = []

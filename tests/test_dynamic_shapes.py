@@ -145,3 +145,17 @@ def test_unknown_dynamic_shapes_say_what_to_give() -> None:
         graphopt.optimize(model, (x,), dynamic_shapes=({5: Dim.AUTO},))
     with pytest.raises(graphopt.InvalidOptionError, match="contradicts dynamic_shapes"):
         graphopt.optimize(model, (x,), dynamic_shapes="auto", dynamic_batch=False)
+
+
+def test_onnx_files_take_the_same_dynamic_sizes(tmp_path) -> None:
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = Encoder().eval()
+    report = graphopt.export_onnx(model, batch(4), tmp_path / "encoder.onnx")
+    assert report.dynamic == "input_ids dims 0, 1; attention_mask dims 0, 1" and report.batch_sizes == [4, 5]
+    assert "dynamic sizes: input_ids dims 0, 1; attention_mask dims 0, 1" in str(report)
+    session = onnxruntime.InferenceSession(str(tmp_path / "encoder.onnx"), providers=["CPUExecutionProvider"])
+    call = batch(3, length=11, seed=3)
+    (out,) = session.run(None, {name: tensor.numpy() for name, tensor in call.items()})
+    torch.testing.assert_close(torch.from_numpy(out), model(**call), rtol=1e-4, atol=1e-5)
+    fixed = graphopt.export_onnx(model, batch(4), tmp_path / "fixed.onnx", dynamic_shapes=None)
+    assert fixed.dynamic == "none" and fixed.batch_sizes == [4]

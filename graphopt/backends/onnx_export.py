@@ -2,11 +2,13 @@
 
 `graphopt.export_onnx` (`graphopt.export`) chooses what to export (the model optimized for
 inference, BatchNorm folded, dropout removed, the layout kept since ONNX has no memory
-format); `write_checked` exports it with a dynamic batch dimension, then:
+format); `write_checked` exports it with the dimensions the optimized module takes other
+sizes of dynamic (`graphopt.dynamic`: by default the batch and the sequence lengths), then:
 
 1. ``onnx.checker.check_model(path, full_check=True)``;
-2. runs onnxruntime on the example inputs and on a batch one larger, and compares with
-   the original PyTorch model (tolerance of the lowest precision computed in);
+2. runs onnxruntime on the example inputs and on a second input with another size of
+   each dynamic dimension (`graphopt.inputs.other_inputs`), and compares with the
+   original PyTorch model (tolerance of the lowest precision computed in);
 3. exports the original model the same plain way, to compare node counts.
 
 The files are written into a temporary folder beside the destination and moved into
@@ -26,6 +28,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from graphopt.dynamic import Dims, auto_spec, describe
 from graphopt.errors import ExportError, VerificationError
+from graphopt.inputs import other_inputs
 from graphopt.report import Report
 from graphopt.validate import reference_run
 from graphopt.verify import compare
@@ -54,6 +59,7 @@ class ExportReport:
     max_error: float
     batch_sizes: list[int]  # batch sizes run in onnxruntime
     seconds: float
+    dynamic: str = ""  # the input dimensions the file takes other sizes of, e.g. "input_ids dims 0, 1"
     optimize_report: Report | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -66,6 +72,7 @@ class ExportReport:
         lines = [
             f"ONNX export: {self.path} (opset {self.opset}, {len(self.files)} file(s), {self.seconds:.1f}s)",
             f"checked: onnx.checker full check; onnxruntime at batch sizes {self.batch_sizes}, max error {self.max_error:.1e}",
+            f"dynamic sizes: {self.dynamic or 'none'}",
             f"nodes: {self.nodes}" + (f" (plain export of the original: {sum(plain.values())})" if plain is not None else ""),
         ]
         for op in sorted(set(self.node_counts) | set(plain or {})):
@@ -74,23 +81,14 @@ class ExportReport:
         return "\n".join([*lines, *self.notes])
 
 
-def _dynamic_shapes(args: tuple[Any, ...], dynamic_batch: bool) -> tuple[Any, ...] | None:
-    if not dynamic_batch:
-        return None
-    return tuple(
-        pytree.tree_map(lambda leaf: {0: torch.export.Dim.AUTO} if isinstance(leaf, torch.Tensor) and leaf.dim() else None, arg)
-        for arg in args
-    )
-
-
 def _export(
-    module: nn.Module, args: tuple[Any, ...], destination: Path, dynamic_batch: bool, opset: int | None, external_data: bool | None = None
+    module: nn.Module, args: tuple[Any, ...], destination: Path, dynamic: Dims, opset: int | None, external_data: bool | None = None
 ) -> None:
     """torch.onnx.export (dynamo) of ``module`` to ``destination``; external data when asked or over 2 GB."""
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter, not the user's concern
         program = torch.onnx.export(
-            module, args, dynamo=True, dynamic_shapes=_dynamic_shapes(args, dynamic_batch), opset_version=opset, verbose=False
+            module, args, dynamo=True, dynamic_shapes=auto_spec(args, dynamic), opset_version=opset, verbose=False
         )
     assert program is not None
     program.save(destination, external_data=external_data)
@@ -100,11 +98,6 @@ def _node_counts(path: Path) -> tuple[dict[str, int], int]:
     model = onnx.load(str(path), load_external_data=False)
     opset = next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
     return dict(collections.Counter(node.op_type for node in model.graph.node)), opset
-
-
-def _larger_batch(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The example inputs with one more sample (the first repeated)."""
-    return pytree.tree_map(lambda t: torch.cat([t, t[:1]]) if isinstance(t, torch.Tensor) and t.dim() else t, args)
 
 
 def _run_onnxruntime(path: Path, args: tuple[Any, ...]) -> list[torch.Tensor]:
@@ -123,7 +116,8 @@ def write_checked(
     args: tuple[Any, ...],
     destination: Path,
     *,
-    dynamic_batch: bool,
+    dynamic: Dims,
+    names: Sequence[str],
     opset: int | None,
     verify: bool,
     compute_dtype: torch.dtype | None,
@@ -133,8 +127,9 @@ def write_checked(
 ) -> ExportReport:
     """Export ``exported`` to ``destination`` once every check passed; ``reference`` gives the outputs to match.
 
-    ``plain``: also export this module plainly, for the node counts in the report (None: not compared).
-    ``name``: the model's class name, for error messages.
+    ``dynamic``: per leaf of ``args``, the dimensions the file takes other sizes of (checked in onnxruntime at a
+    second size of each); ``names``: a name per leaf. ``plain``: also export this module plainly, for the node
+    counts in the report (None: not compared). ``name``: the model's class name, for error messages.
     Raises `ExportError` when the exporter, the checker or onnxruntime fails, `VerificationError`
     when onnxruntime's outputs differ from ``reference``'s; nothing is written then.
     """
@@ -142,7 +137,7 @@ def write_checked(
     with tempfile.TemporaryDirectory(dir=destination.parent, prefix=f".{destination.name}.") as scratch:
         staged = Path(scratch) / destination.name
         try:
-            _export(exported, args, staged, dynamic_batch, opset, external_data)
+            _export(exported, args, staged, dynamic, opset, external_data)
         except Exception as error:
             raise ExportError(
                 f"torch.onnx.export could not export {name} ({type(error).__name__}: "
@@ -157,7 +152,7 @@ def write_checked(
         batch_sizes: list[int] = []
         max_error = 0.0
         if verify:
-            for batch_args in (args, _larger_batch(args)) if dynamic_batch else (args,):
+            for batch_args in (args, other_inputs(args, dynamic)[1].args) if any(dynamic) else (args,):
                 outputs = reference_run(reference, batch_args).outputs
                 expected = [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
                 comparison = compare(expected, _run_onnxruntime(staged, batch_args), compute_dtype)
@@ -175,7 +170,7 @@ def write_checked(
             plain_path = Path(scratch) / "plain" / destination.name
             plain_path.parent.mkdir()
             try:
-                _export(plain, args, plain_path, dynamic_batch, opset)
+                _export(plain, args, plain_path, dynamic, opset)
                 plain_counts = _node_counts(plain_path)[0]
             except Exception:  # the baseline is informative only: graphopt may export what plain export cannot
                 plain_counts = None
@@ -193,5 +188,6 @@ def write_checked(
         plain_node_counts=plain_counts,
         max_error=max_error,
         batch_sizes=batch_sizes,
+        dynamic=describe(dynamic, names),
         seconds=time.perf_counter() - started,
     )
