@@ -18,6 +18,8 @@ Inductor, optimize a full-size ResNet-50 and export to ONNX: 2-4 minutes on 2 CP
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import traceback
 from dataclasses import dataclass
@@ -78,10 +80,30 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-def run(block: Block, namespace: dict[str, object]) -> None:
-    """Execute ``block`` in ``namespace``; compiled as README.md with its own line numbers, so tracebacks show README lines."""
+def run(block: Block, namespace: dict[str, object]) -> str:
+    """Execute ``block`` in ``namespace``, returning what it printed; compiled as README.md with its own line
+    numbers, so tracebacks show README lines."""
     source = "\n" * (block.line - 1) + block.code
-    exec(compile(source, str(README), "exec"), namespace)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(source, str(README), "exec"), namespace)
+    return printed.getvalue()
+
+
+def sample_report() -> list[str]:
+    """The output block that follows the README's first Python block: the sample report."""
+    lines = README.read_text().splitlines()
+    end = next(end for _, end, language in fences(lines) if language in RUNNABLE)
+    following = next(fence for fence in fences(lines) if fence[0] > end)
+    assert following[2] == "", "the first example must be followed by its output"
+    return lines[following[0] + 1 : following[1]]
+
+
+def skeleton(report: list[str]) -> list[str]:
+    """What a report shows whatever the machine: the header lines' labels and the passes in order (figures vary)."""
+    header = [line.split(":")[0] for line in report[: report.index(next(line for line in report if line.startswith("pass ")))]]
+    passes = [line.split()[0] for line in report if re.match(r"^[a-z_]+ +\d+ +\d+ ", line)]
+    return header + passes
 
 
 def test_every_code_block_is_python_shell_or_output() -> None:
@@ -99,10 +121,13 @@ def test_the_python_snippets_run_in_order_in_one_session(tmp_path: Path, monkeyp
     monkeypatch.setattr(tuning, "_memory_cache", {})
     namespace: dict[str, object] = {"__name__": "__main__"}
     ran = 0
+    printed = []
     for block in python_blocks(README.read_text()):
         try:
-            run(block, namespace)
+            printed.append(run(block, namespace))
         except Exception:
             pytest.fail(f"{block.where} failed, after {ran} block(s) ran:\n{traceback.format_exc()}", pytrace=False)
         ran += 1
     assert ran >= MIN_BLOCKS
+    # the sample report is the current one: the same header lines and passes, in order
+    assert skeleton(printed[0].splitlines()) == skeleton(sample_report()), printed[0]
