@@ -43,6 +43,7 @@ from graphopt.bench.results import to_markdown
 from graphopt.bench.suite import QUICK_MODELS, Settings, run_suite
 from graphopt.bench.variants import variants as bench_variants
 from graphopt.diff import diff as graph_diff_of
+from graphopt.dynamic import DEFAULT, POLICIES
 from graphopt.lint import check_source, fix_source
 from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
@@ -155,6 +156,15 @@ def _model_and_inputs(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.
     return model, tuple(parse_input_spec(spec, generator) for spec in args.input)
 
 
+DYNAMIC_CHOICES = (*POLICIES, "none")
+DYNAMIC_HELP = "input sizes calls may vary: batch+sequence (default), batch, auto (every dimension the model allows), none"
+
+
+def _dynamic_shapes(args: argparse.Namespace) -> str | None:
+    """--dynamic-shapes as optimize's dynamic_shapes ("none": None)."""
+    return None if args.dynamic_shapes == "none" else args.dynamic_shapes
+
+
 def _command_optimize(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     optimized = optimize(
@@ -164,6 +174,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         passes=_split_names(args.passes),
         disable=_split_names(args.disable) or (),
         frontend=args.frontend,
+        dynamic_shapes=_dynamic_shapes(args),
         verify="strict" if args.strict_verify else not args.no_verify,
         memory_format=args.memory_format,
         keep_channels_last_outputs=args.keep_channels_last_outputs,
@@ -262,6 +273,7 @@ def _command_export(args: argparse.Namespace) -> int:
         inputs,
         args.output,
         optimize=not args.no_optimize,
+        dynamic_shapes=_dynamic_shapes(args),
         opset=args.opset,
         overwrite=args.overwrite,
         precision=args.precision,
@@ -376,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]", help="one per forward() argument, e.g. 8x3x224x224")
     run.add_argument("--mode", choices=("inference", "training"), default="inference", help="default: inference (the model is put in eval mode)")
     run.add_argument("--frontend", choices=FRONTENDS, default="auto")
+    run.add_argument("--dynamic-shapes", choices=DYNAMIC_CHOICES, default=DEFAULT, help=DYNAMIC_HELP)
     run.add_argument("--passes", metavar="A,B", help="run exactly these passes, in order")
     run.add_argument("--disable", metavar="A,B", help="leave these passes out")
     checks = run.add_mutually_exclusive_group()
@@ -423,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("output", metavar="OUT.onnx")
     export.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]", help="one per forward() argument")
     export.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    export.add_argument("--dynamic-shapes", choices=DYNAMIC_CHOICES, default=DEFAULT, help=DYNAMIC_HELP)
     export.add_argument("--precision", choices=("fp32", "fp16"), default="fp32", help="fp16: fp16 weights, fp32 inputs and outputs")
     export.add_argument("--no-optimize", action="store_true", help="export the model as it is")
     export.add_argument("--overwrite", action="store_true", help="replace an existing file")

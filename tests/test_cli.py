@@ -189,6 +189,13 @@ def test_optimize_with_the_export_frontend(capsys: pytest.CaptureFixture[str]) -
     assert int(table_rows(out)["fold_conv_bn"][0]) > 0
 
 
+@pytest.mark.parametrize(("choice", "dynamic"), [("auto", "x dims 0, 2, 3"), ("none", "none")])
+def test_optimize_with_dynamic_shapes(capsys: pytest.CaptureFixture[str], choice: str, dynamic: str) -> None:
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--dynamic-shapes", choice, "--passes", "fold_conv_bn")
+    assert code == 0, err
+    assert f"dynamic sizes: {dynamic}\n" in out
+
+
 # --------------------------------------------------------------------------- errors
 
 ERROR_CASES = {
