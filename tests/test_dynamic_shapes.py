@@ -159,3 +159,14 @@ def test_onnx_files_take_the_same_dynamic_sizes(tmp_path) -> None:
     torch.testing.assert_close(torch.from_numpy(out), model(**call), rtol=1e-4, atol=1e-5)
     fixed = graphopt.export_onnx(model, batch(4), tmp_path / "fixed.onnx", dynamic_shapes=None)
     assert fixed.dynamic == "none" and fixed.batch_sizes == [4]
+
+
+@pytest.mark.slow
+def test_the_whole_graph_is_compiled_once_for_every_dynamic_size() -> None:
+    model = Encoder().eval()
+    fast = graphopt.optimize(model, batch(4), fuse="graph")
+    for size, length in ((2, 6), (3, 11), (5, 9)):
+        call = batch(size, length, seed=size)
+        torch.testing.assert_close(fast(**call), model(**call), rtol=1e-4, atol=1e-5)
+    assert [region.status for region in fast.graphopt_report.fusion.regions] == ["compiled"]
+    assert fast._runner.compilations == 1  # batch and length marked dynamic: no recompilation for other sizes
