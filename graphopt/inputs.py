@@ -2,10 +2,11 @@
 
 A rewrite must be right for every input the optimized graph accepts, not only for the
 example it was planned on. `other_inputs` makes candidates for a second, independent
-check: other sizes of the dimensions that may vary (`graphopt.dynamic`), fresh values (resampled from the example's own values, so
-integer ids, masks and value ranges stay valid) and other strides (channels_last for
-4-D/5-D tensors, transposed storage for 2-D/3-D, a strided view for 1-D). The caller
-keeps the first candidate the original model accepts.
+check: other sizes of the dimensions that may vary (`graphopt.dynamic`), fresh values
+(resampled from the example's own values, so integer ids, masks and value ranges stay
+valid) and other strides (channels_last for 4-D/5-D tensors, transposed storage for
+2-D/3-D, a strided view for 1-D). The caller keeps the first candidate the original
+model accepts.
 
 `InputSignature` is what the optimized module then accepts: per tensor input its dtype,
 device, rank and sizes, each size fixed to the example's unless it was verified to vary
