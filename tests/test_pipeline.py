@@ -87,25 +87,31 @@ def test_wrong_pass_is_rolled_back_loudly_and_the_others_stand(registered) -> No
     assert_same_outputs(model, optimized, (torch.randn(3, 3, 6, 6),))
 
 
-def corrupt_adds_on_other_batches(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """A pass that decides from the example: right at its batch size, wrong at any other."""
-    report = PassReport("corrupt_adds_on_other_batches")
-    batch = ctx.example_inputs[0].shape[0]
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in (operator.add, torch.add, torch.ops.aten.add.Tensor):
-            with gm.graph.inserting_after(node):
-                wrong = gm.graph.call_function(_add_if_batch, (*node.args, batch))
-            node.replace_all_uses_with(wrong)
-            wrong.args = (*node.args, batch)
-            report.rewrite(node, "add decided from the example's batch size")
-    return finish(gm, bool(report.rewrites), report)
+def corrupt_adds_deciding_on(dim: int, name: str):
+    """A pass that decides from the example's size of ``dim``: right at that size, wrong at any other."""
+
+    def corrupt(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        report = PassReport(name)
+        size = ctx.example_inputs[0].shape[dim]
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in (operator.add, torch.add, torch.ops.aten.add.Tensor):
+                with gm.graph.inserting_after(node):
+                    wrong = gm.graph.call_function(_add_if_size, (*node.args, dim, size))
+                node.replace_all_uses_with(wrong)
+                wrong.args = (*node.args, dim, size)
+                report.rewrite(node, f"add decided from the example's size of dim {dim}")
+        return finish(gm, bool(report.rewrites), report)
+
+    return corrupt
 
 
-def _add_if_batch(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
-    return a + b if a.shape[0] == batch else a - b
+def _add_if_size(a: torch.Tensor, b: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    return a + b if a.shape[dim] == size else a - b
 
 
-torch.fx.wrap("_add_if_batch")
+torch.fx.wrap("_add_if_size")
+corrupt_adds_on_other_batches = corrupt_adds_deciding_on(0, "corrupt_adds_on_other_batches")
+corrupt_adds_on_other_lengths = corrupt_adds_deciding_on(1, "corrupt_adds_on_other_lengths")
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -118,6 +124,27 @@ def test_pass_right_only_on_the_example_is_caught_by_the_second_input(registered
         optimized = graphopt.optimize(model, torch.randn(3, 4), passes=["corrupt_adds_on_other_batches"], frontend=frontend)
     assert optimized.graphopt_report["corrupt_adds_on_other_batches"].rolled_back
     assert_same_outputs(model, optimized, (torch.randn(3, 4),))
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        return hidden + hidden.cumsum(1)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_pass_right_only_at_the_example_length_is_caught_at_a_second_length(registered, frontend: str) -> None:
+    """Sequence lengths may vary (dynamic_shapes' default), so the second input has another one; a batch alone would miss this."""
+    registered(corrupt_adds_on_other_lengths, "corrupt_adds_on_other_lengths")
+    ids = torch.randint(0, 16, (3, 6))
+    with pytest.raises(graphopt.VerificationError, match="second input \\(batch 4 \\(example: 3\\), size 4 \\(example: 6\\)"):
+        graphopt.optimize(Tokens().eval(), ids, passes=["corrupt_adds_on_other_lengths"], frontend=frontend, verify="strict")
+    fixed_length = graphopt.optimize(Tokens().eval(), ids, passes=["corrupt_adds_on_other_lengths"], frontend=frontend, dynamic_shapes="batch")
+    assert not fixed_length.graphopt_report["corrupt_adds_on_other_lengths"].rolled_back  # right for every call it accepts
 
 
 def test_verify_option_is_checked() -> None:
