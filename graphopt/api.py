@@ -215,7 +215,7 @@ def optimize(
                 example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
             others = SecondInputs(owned, args, request.dims, gradients=training)
             captured = capture_graph(owned, example, frontend, request, others if verify else None)
-            kept = dynamic.graph_dims(captured.graph_module, args, request.dims)
+            kept = captured.dims
             report = Report(
                 mode=resolved_mode,
                 frontend=captured.frontend,
@@ -262,7 +262,9 @@ def optimize(
             report.warnings += [f"pass {p.name!r} was rolled back: it failed verification (see its entry below)" for p in report.passes if p.rolled_back]
             report.notes += filter(None, [enable_cudnn_benchmark(gm, target)])
             # sizes may vary in calls only where a second size was verified (or, unverified, where the graph keeps them dynamic)
-            free = (dynamic.varied(args, second.args) if second is not None else tuple(frozenset() for _ in kept)) if verify else kept
+            free = kept
+            if verify:
+                free = dynamic.varied(args, second.args) if second is not None else tuple(frozenset() for _ in kept)
             report.dynamic = dynamic.describe(free, request.names)
             report.notes += filter(None, [_unverified_dims(kept, free, request.names, others)])
             runner = None

@@ -73,6 +73,7 @@ class Captured:
     seconds: float = 0.0
     max_error: float = 0.0  # error of the captured graph vs eager on the example inputs
     second: verify.Check | None = None  # the second input the graph was checked on (None: it accepts none of them)
+    dims: dynamic.Dims = ()  # the requested dimensions the graph keeps dynamic (`dynamic.graph_dims`)
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -120,15 +121,7 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], request: Request, gra
     exported = torch.export.export(model, args, dynamic_shapes=request.export, strict=False)
     gm = exported.module()
     _remove_self_copies(gm)
-    fixed = tuple(asked - kept for asked, kept in zip(request.dims, dynamic.graph_dims(gm, args, request.dims), strict=True))
-    notes = []
-    if any(fixed):
-        one = " (a batch of 1 always is: give example inputs with a batch of 2 or more)" if dynamic.batch_size(args) == 1 else ""
-        notes.append(
-            f"torch.export fixed {dynamic.describe(fixed, request.names)} to the example's size{one}: the model's code ties "
-            "it to that size (e.g. a hard-coded batch or length), so the optimized model accepts only that size there"
-        )
-    return gm, verify.run_reference(gm, args, gradients=gradients), notes
+    return gm, verify.run_reference(gm, args, gradients=gradients), []
 
 
 def _remove_self_copies(gm: fx.GraphModule) -> None:
@@ -167,6 +160,18 @@ def _same_memory(value: Any, target: Any) -> bool:
 
 
 _TRACERS = {"fx": _trace_fx, "export": _trace_export}
+
+
+def _specialised(request: Request, kept: dynamic.Dims, args: tuple[Any, ...]) -> str:
+    """What torch.export fixed of the dimensions asked to vary ('' when nothing; fx graphs keep them all)."""
+    fixed = tuple(asked - mine for asked, mine in zip(request.dims, kept, strict=True))
+    if not any(fixed):
+        return ""
+    one = " (a batch of 1 always is: give example inputs with a batch of 2 or more)" if dynamic.batch_size(args) == 1 else ""
+    return (
+        f"torch.export fixed {dynamic.describe(fixed, request.names)} to the example's size{one}: the model's code ties "
+        "it to that size (e.g. a hard-coded batch or length), so the optimized model accepts only that size there"
+    )
 
 
 def check_frontend(frontend: str) -> None:
@@ -234,8 +239,10 @@ def capture_graph(
     for name in progress.steps(("fx", "export") if frontend == "auto" else (frontend,), "capture"):
         try:
             gm, actual, notes = _TRACERS[name](model, example.args, request, gradients)
+            kept = dynamic.graph_dims(gm, example.args, request.dims)
+            notes += filter(None, [_specialised(request, kept, example.args)])
             reason = _mismatch(name, model, gm, actual, example)
-            checks = others.varying(dynamic.graph_dims(gm, example.args, request.dims)) if others is not None else ()
+            checks = others.varying(kept) if others is not None else ()
             second, second_actual = _first_accepted(gm, checks, gradients) if reason is None else (None, None)
             if second is not None and second_actual is not None:
                 reason = _mismatch(name, model, gm, second_actual, second)
@@ -250,7 +257,7 @@ def capture_graph(
         remove_dead_code(gm)
         gm.recompile()
         comparison = verify.compare(example.expected.outputs, actual.outputs)
-        return Captured(gm, name, attempts, notes, time.perf_counter() - started, comparison.max_error, second)
+        return Captured(gm, name, attempts, notes, time.perf_counter() - started, comparison.max_error, second, kept)
     reasons = "\n".join(f"  - {name}: {reason}" for name, reason in attempts.items())
     hint = (
         "Hint: frontend='fx' needs forward() free of Python control flow on tensor shapes or values; "

@@ -165,6 +165,11 @@ def _dynamic_shapes(args: argparse.Namespace) -> str | None:
     return None if args.dynamic_shapes == "none" else args.dynamic_shapes
 
 
+def _progress(args: argparse.Namespace) -> bool | None:
+    """--no-progress as optimize's progress (None: a status line on a terminal only)."""
+    return False if args.no_progress else None
+
+
 def _command_optimize(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     optimized = optimize(
@@ -182,7 +187,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         fuse=args.fuse,
         tune=args.tune,
         accuracy=args.accuracy,
-        progress=False if args.no_progress else None,
+        progress=_progress(args),
     )
     print(optimized.graphopt_report)
     if args.report:
@@ -219,7 +224,7 @@ def _command_diff(args: argparse.Namespace) -> int:
     passes = _passes_for_diff(args)
     optimized = optimize(
         model, inputs, mode=args.mode, passes=passes, memory_format=args.memory_format, precision=args.precision,
-        progress=False if args.no_progress else None,
+        progress=_progress(args),
     )  # fmt: skip
     diffs = optimized.graphopt_report.diffs
     if args.pass_name is not None and args.pass_name not in diffs:
@@ -277,7 +282,7 @@ def _command_export(args: argparse.Namespace) -> int:
         opset=args.opset,
         overwrite=args.overwrite,
         precision=args.precision,
-        progress=False if args.no_progress else None,
+        progress=_progress(args),
     )
     print(report)
     return 0

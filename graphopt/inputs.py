@@ -122,32 +122,29 @@ def _fresh(example: torch.Tensor, shape: tuple[int, ...], strided: bool, generat
     return out, layout
 
 
-def other_inputs(args: tuple[Any, ...], dims: Dims) -> list[OtherInputs]:
-    """Candidate second inputs with the sizes of ``dims`` varied (`dynamic.second_sizes`): other strides first, then the example's."""
+def other_inputs(args: tuple[Any, ...], dims: Dims, strided: bool) -> OtherInputs:
+    """A candidate second input with the sizes of ``dims`` varied (`dynamic.second_sizes`), in other strides when ``strided``."""
     sizes = second_sizes(args, dims)
     batch = batch_size(args)
     batch_varies = any(0 in mine and leaf.shape[0] == batch for leaf, mine in zip(pytree.tree_leaves(args), dims, strict=True))
     changes = [f"batch {sizes[batch]} (example: {batch})" if batch_varies and batch is not None else "the example's batch size"]
     changes += [f"size {new} (example: {old})" for old, new in sizes.items() if old != batch or not batch_varies]
-    candidates = []
-    for strided in (True, False):
-        generator = torch.Generator().manual_seed(SEED)
-        layouts: list[str] = []
-        leaf_dims = iter(dims)
+    generator = torch.Generator().manual_seed(SEED)
+    layouts: list[str] = []
+    leaf_dims = iter(dims)
 
-        def remake(leaf: Any) -> Any:
-            mine = next(leaf_dims)
-            if not isinstance(leaf, torch.Tensor):
-                return leaf
-            shape = tuple(sizes[size] if dim in mine else size for dim, size in enumerate(leaf.shape))
-            tensor, layout = _fresh(leaf, shape, strided, generator)
-            layouts.append(layout)
-            return tensor
+    def remake(leaf: Any) -> Any:
+        mine = next(leaf_dims)
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        shape = tuple(sizes[size] if dim in mine else size for dim, size in enumerate(leaf.shape))
+        tensor, layout = _fresh(leaf, shape, strided, generator)
+        layouts.append(layout)
+        return tensor
 
-        made = pytree.tree_map(remake, args)
-        strides = ", ".join(sorted(set(layouts) - {"contiguous"})) or "contiguous"
-        candidates.append(OtherInputs(made, f"{', '.join(changes)}, values resampled from the example's, {strides} strides"))
-    return candidates
+    made = pytree.tree_map(remake, args)
+    strides = ", ".join(sorted(set(layouts) - {"contiguous"})) or "contiguous"
+    return OtherInputs(made, f"{', '.join(changes)}, values resampled from the example's, {strides} strides")
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,7 @@ class SecondInputs:
 
     def _check(self, dims: Dims, strided: bool) -> verify.Check | None:
         if (dims, strided) not in self.checks:
-            self.checks[dims, strided] = self._run(other_inputs(self.args, dims)[0 if strided else 1])
+            self.checks[dims, strided] = self._run(other_inputs(self.args, dims, strided))
         return self.checks[dims, strided]
 
     def _run(self, candidate: OtherInputs) -> verify.Check | None:

@@ -152,7 +152,7 @@ def write_checked(
         batch_sizes: list[int] = []
         max_error = 0.0
         if verify:
-            for batch_args in (args, other_inputs(args, dynamic)[1].args) if any(dynamic) else (args,):
+            for batch_args in (args, other_inputs(args, dynamic, strided=False).args) if any(dynamic) else (args,):
                 outputs = reference_run(reference, batch_args).outputs
                 expected = [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
                 comparison = compare(expected, _run_onnxruntime(staged, batch_args), compute_dtype)
