@@ -160,6 +160,8 @@ def optimize(
         raise InvalidOptionError(f"progress={progress!r}: use True (always), False (never) or None (on a terminal only)")
     with show_progress(progress):
         check_model(model)
+        if mode is None and isinstance(model, OptimizedModule):
+            mode = model.graphopt_report.mode  # its graph module's training flag may not say (torch.export's does not)
         model = _unwrap(model, mode)
         if example_kwargs is not None:
             example_inputs = positional_inputs(model, example_inputs, example_kwargs)  # forward()'s positional arguments from here on

@@ -242,3 +242,12 @@ def test_concurrent_optimize_calls_on_different_models() -> None:
         optimized = results[name]
         assert isinstance(optimized, graphopt.OptimizedModule), (name, optimized)
         assert relative_error(models[name](*inputs[name]), optimized(*inputs[name])) < 1e-5
+
+
+def test_an_inference_result_of_either_frontend_is_optimized_again_for_inference() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    inputs = (torch.randn(2, 8),)
+    for frontend in FRONTENDS:
+        fast = graphopt.optimize(model, inputs, frontend=frontend, progress=False)
+        again = graphopt.optimize(fast, inputs, progress=False)  # torch.export's graph module says training=True
+        assert again.graphopt_report.mode == "inference"
