@@ -23,6 +23,7 @@ from graphopt.backends.onnx_export import ExportReport, write_checked
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError
 from graphopt.inputs import argument_names
+from graphopt.passes.use_onednn_linear import fused_linears, restore_aten_linears
 from graphopt.pipeline import onnx_left_out, onnx_refused
 from graphopt.runtime import OptimizedModule, prepacked_modules
 from graphopt.validate import check_inputs, check_model
@@ -80,6 +81,9 @@ def export_onnx(
             f"this module runs oneDNN kernels with prepacked weights ({', '.join(prepacked_modules(model)[:3])}, ...), which ONNX "
             f"cannot express: export the original model, or one optimized with graphopt.optimize(..., disable={onnx_refused()})"
         )
+    if isinstance(model, OptimizedModule) and fused_linears(model.graph_module):
+        model = copy.deepcopy(model)  # ONNX has no fused oneDNN linears: export ATen's ops, which they compute
+        restore_aten_linears(model.graph_module)
     refused = [name for name in onnx_refused() if name in (optimize_options.get("passes") or ())]
     if optimize and refused:
         raise ExportError(f"passes= asks for {', '.join(refused)}, whose kernels ONNX cannot express: leave it out")

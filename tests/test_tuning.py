@@ -117,7 +117,7 @@ def test_onednn_kernels_are_a_candidate_on_cpu_inference(monkeypatch: pytest.Mon
     model, inputs = resnet()
     tuned = graphopt.optimize(model, inputs, tune=True)
     assert tuned.graphopt_report.tune.winner == "fp32 channels_last + oneDNN"
-    assert [p.name for p in tuned.graphopt_report.passes][-2:] == ["use_onednn_kernels", "compute_in_place"]
+    assert [p.name for p in tuned.graphopt_report.passes][-3:] == ["use_onednn_kernels", "use_onednn_linear", "compute_in_place"]
     torch.testing.assert_close(tuned(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
     training = graphopt.optimize(REFERENCE_MODELS["resnet"].build().train(), inputs, tune=True).graphopt_report
     assert not [c for c in training.tune.candidates if "oneDNN" in c.name]  # prepacked weights have no gradients

@@ -35,6 +35,7 @@ from graphopt.passes.use_attention_kernel import use_attention_kernel
 from graphopt.passes.use_global_pool_kernel import use_global_pool_kernel
 from graphopt.passes.use_low_precision import use_low_precision
 from graphopt.passes.use_onednn_kernels import use_onednn_kernels
+from graphopt.passes.use_onednn_linear import use_onednn_linear
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,16 @@ REGISTRY: dict[str, PassInfo] = {
             after_precision=True,
             cpu_kernels=True,
             onnx="inexpressible",
+        ),
+        # after use_onednn_kernels: when both run, the prepacked kernels take the linears first
+        PassInfo(
+            "use_onednn_linear",
+            use_onednn_linear,
+            ("inference",),
+            "run large CPU linears (+ activation, or + residual add) as oneDNN fused kernels on their own weights where measured faster",
+            presets=("inference",),
+            after_precision=True,
+            onnx="left out",
         ),
         PassInfo(
             "pad_channels",

@@ -36,14 +36,17 @@ Preconditions, each a recorded skip reason:
   input: the pass pays off with ``memory_format="channels_last"``). An activation or add
   that does not pass this check is left out of the fusion and the report says why.
 An activation or an add is fused only when it is the conv/linear output's only reader.
+
+The planning (`plan_fusions`, `settle_fusions`) is shared with `use_onednn_linear`, which
+runs large linears on oneDNN without prepacking, by default.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -83,23 +86,36 @@ def _post_op(gm: fx.GraphModule, node: fx.Node) -> PostOp | None:
     return PostOp("swish" if view.kind == "silu" else view.kind)
 
 
+class Kernel(Protocol):
+    """What runs a fusion: ``kernel(x)`` or ``kernel(x, other)``, with the post-op and whether the add is fused."""
+
+    post_op: PostOp
+    binary: bool
+
+    def __call__(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 @dataclass
-class _Fusion:
-    """A conv/linear and the add/activation that may join it; settled on the example inputs."""
+class Fusion:
+    """A conv/linear and the add/activation that may join it; settled on the example inputs (shared with `use_onednn_linear`)."""
 
     view: WeightedOpView
     nodes: list[fx.Node]  # the op, then an add and/or an activation, each the previous one's only reader
     other_index: int | None  # which argument of the add (nodes[1]) is the other operand
     post_op: PostOp
     values: dict[fx.Node, Any] = field(default_factory=dict)  # example values of the op's input, `other` and each node
-    module: Prepacked | None = None
-    length: int = 0  # how many of `nodes` the module replaces
+    kernel: Kernel | None = None
+    length: int = 0  # how many of `nodes` the kernel replaces
     reason: str | None = None  # why the longest fusion (or any) was refused
 
     @property
     def other(self) -> fx.Node | None:
         """The add's other operand, read from the graph (an earlier rewrite may have replaced it)."""
         return None if self.other_index is None else self.nodes[1].args[self.other_index]  # type: ignore[return-value]
+
+
+Builder = Callable[[Fusion, int, torch.Tensor], Kernel]  # the kernel running a fusion's first n nodes, for input x
+Acceptor = Callable[[Kernel, torch.Tensor, torch.Tensor | None], str | None]  # why not take an accurate kernel, or None
 
 
 def _conv_geometry(view: WeightedOpView) -> tuple[Any, Any, Any]:
@@ -116,20 +132,16 @@ def _conv_geometry(view: WeightedOpView) -> tuple[Any, Any, Any]:
     return padding, list(expand(1 if stride is None else stride)), list(expand(1 if dilation is None else dilation))
 
 
-def _guard(view: WeightedOpView, ctx: PassContext, usage: ParameterUsage) -> str | None:
-    """Why ``view`` cannot run as a prepacked oneDNN op, or None."""
+def kernel_guard(view: WeightedOpView, ctx: PassContext) -> str | None:
+    """Why ``view`` cannot run as a oneDNN op on this machine, or None (shared with `use_onednn_linear`)."""
     if ctx.mode != "inference":
-        return "training mode: prepacked weights have no gradient (inference only)"
+        return "training mode: oneDNN's fused kernels have no gradient (inference only)"
     if not torch.backends.mkldnn.is_available():
         return "oneDNN (torch.backends.mkldnn) is not available in this torch build"
     if not torch.backends.mkldnn.enabled:
         return "oneDNN is disabled (torch.backends.mkldnn.enabled is False)"
     if view.unsupported is not None:
         return view.unsupported
-    if view.transposed:
-        return "transposed convolution: not prepacked"
-    if view.spatial_dims == 1:
-        return "conv1d: oneDNN weight prepacking supports conv2d and conv3d only"
     assert view.weight is not None
     if view.weight.device.type != "cpu":
         return f"weight on {view.weight.device.type}: oneDNN kernels run on the CPU only"
@@ -137,6 +149,18 @@ def _guard(view: WeightedOpView, ctx: PassContext, usage: ParameterUsage) -> str
         return f"{str(view.weight.dtype).removeprefix('torch.')} weight: oneDNN fused kernels are used for float32 and bfloat16 only"
     if view.weight.dtype == torch.bfloat16 and not bf16_supported():
         return "this CPU has no oneDNN bfloat16 kernels"
+    return None
+
+
+def _guard(view: WeightedOpView, ctx: PassContext, usage: ParameterUsage) -> str | None:
+    """Why ``view`` cannot run as a prepacked oneDNN op, or None."""
+    reason = kernel_guard(view, ctx)
+    if reason is not None:
+        return reason
+    if view.transposed:
+        return "transposed convolution: not prepacked"
+    if view.spatial_dims == 1:
+        return "conv1d: oneDNN weight prepacking supports conv2d and conv3d only"
     if view.spatial_dims and isinstance(_conv_geometry(view)[0], str):
         return f"padding={_conv_geometry(view)[0]!r}: only numeric padding is prepacked"
     return usage.sharing(view)
@@ -152,7 +176,7 @@ def _only_reader(node: fx.Node, claimed: set[fx.Node]) -> fx.Node | None:
     return users[0] if len(users) == 1 and users[0] not in claimed else None
 
 
-def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> _Fusion:
+def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> Fusion:
     """The longest fusion the graph allows: op [-> add] [-> activation] (linear: an add or an activation)."""
     nodes, other_index, post_op = [view.node], None, NO_POST_OP
     reader = _only_reader(view.node, claimed)
@@ -165,10 +189,30 @@ def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> _F
     if found is not None and activation_view(gm, reader).input is nodes[-1]:  # type: ignore[union-attr]
         nodes.append(reader)  # type: ignore[arg-type]
         post_op = found
-    return _Fusion(view, nodes, other_index, post_op)
+    return Fusion(view, nodes, other_index, post_op)
 
 
-def _build(fusion: _Fusion, length: int, x: torch.Tensor) -> Prepacked:
+def plan_fusions(
+    gm: fx.GraphModule, report: PassReport, guard: Callable[[WeightedOpView], str | None], kinds: tuple[str, ...] | None = None
+) -> list[Fusion]:
+    """The longest fusion of each conv/linear (of ``kinds``, default all) that ``guard`` admits; its reason is recorded as a skip otherwise."""
+    fusions: list[Fusion] = []
+    claimed: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        view = weighted_op_view(gm, node)
+        if view is None or (kinds is not None and view.kind not in kinds):
+            continue
+        reason = guard(view)
+        if reason is not None:
+            report.skip(node, reason)
+            continue
+        fusion = _plan(gm, view, claimed)
+        claimed.update(fusion.nodes)
+        fusions.append(fusion)
+    return fusions
+
+
+def _build(fusion: Fusion, length: int, x: torch.Tensor) -> Prepacked:
     """The module running the first ``length`` nodes of ``fusion``, its weight packed for input ``x``."""
     view = fusion.view
     binary = length >= 2 and fusion.other is not None
@@ -181,7 +225,7 @@ def _build(fusion: _Fusion, length: int, x: torch.Tensor) -> Prepacked:
     return OneDNNConv(weight, view.bias, padding, stride, dilation, view.groups, list(x.shape), post_op, binary)
 
 
-def _settle(fusion: _Fusion) -> None:
+def _settle(fusion: Fusion, build: Builder, accept: Acceptor | None) -> None:
     """Choose the longest fusion that reproduces the graph's values on the example inputs (or none)."""
     x = fusion.values[fusion.view.input]
     if not isinstance(x, torch.Tensor) or x.dtype != fusion.view.weight.dtype:  # type: ignore[union-attr]
@@ -201,8 +245,8 @@ def _settle(fusion: _Fusion) -> None:
             fusion.reason = fusion.reason or reason
             continue
         try:
-            module = _build(fusion, length, x)
-            actual = module(x) if other is None else module(x, other)
+            kernel = build(fusion, length, x)
+            actual = kernel(x) if other is None else kernel(x, other)
         except RuntimeError as error:
             reason = f"oneDNN refused it ({str(error).splitlines()[0]})"
         else:
@@ -215,14 +259,21 @@ def _settle(fusion: _Fusion) -> None:
             elif error_value > verify.tolerance_for(expected.dtype):
                 reason = f"oneDNN's result differs by {error_value:.1e} relative to its scale"
             else:
-                fusion.module, fusion.length = module, length
-                return
+                refused = accept(kernel, x, other) if accept is not None else None
+                if refused is None:
+                    fusion.kernel, fusion.length = kernel, length
+                    return
+                reason = refused
         fusion.reason = fusion.reason or reason
     fusion.reason = reason
 
 
-def _trial(gm: fx.GraphModule, fusions: list[_Fusion], args: tuple[Any, ...]) -> None:
-    """Run the graph on the example inputs and settle each fusion with the values its nodes see."""
+def settle_fusions(gm: fx.GraphModule, fusions: list[Fusion], args: tuple[Any, ...], build: Builder, accept: Acceptor | None = None) -> None:
+    """Run the graph on the example inputs and settle each fusion with the values its nodes see.
+
+    ``build`` makes the kernel for a fusion's first n nodes; a kernel that reproduces the
+    graph's values is taken unless ``accept(kernel, x, other)`` gives a reason not to.
+    """
     fusion_of = {node: fusion for fusion in fusions for node in fusion.nodes}
 
     def keep_values(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> None:
@@ -235,7 +286,7 @@ def _trial(gm: fx.GraphModule, fusions: list[_Fusion], args: tuple[Any, ...]) ->
         # a later in-place activation may overwrite this value: keep a copy
         fusion.values[node] = result.clone() if isinstance(result, torch.Tensor) and node is not fusion.nodes[-1] else result
         if node is fusion.nodes[-1]:
-            _settle(fusion)
+            _settle(fusion, build, accept)
             fusion.values.clear()
 
     record(gm, args, keep_values)
@@ -255,53 +306,49 @@ def _module_path(gm: fx.GraphModule, view: WeightedOpView) -> str:
     return f"{owner_path}.{base}{suffix or ''}" if owner_path else f"{base}{suffix or ''}"
 
 
-def _describe_fusion(fusion: _Fusion) -> str:
-    assert fusion.module is not None
-    parts = [fusion.view.kind, *(["add"] if fusion.module.binary else [])]
-    if fusion.module.post_op.attr != "none":
-        parts.append(fusion.module.post_op.attr)
+def report_left_out(report: PassReport, fusion: Fusion) -> None:
+    """Record why the add or activation a settled fusion leaves out was not fused."""
+    if fusion.length < len(fusion.nodes):
+        left_out = ", ".join(describe(node) for node in fusion.nodes[fusion.length :])
+        report.skip(fusion.nodes[fusion.length], f"not fused into {describe(fusion.view.node)} ({left_out}): {fusion.reason}")
+
+
+def describe_fusion(fusion: Fusion, weight: str) -> str:
+    """``linear + gelu -> mkldnn._linear_pointwise, <weight>``: what a settled fusion became."""
+    assert fusion.kernel is not None
+    parts = [fusion.view.kind, *(["add"] if fusion.kernel.binary else [])]
+    if fusion.kernel.post_op.attr != "none":
+        parts.append(fusion.kernel.post_op.attr)
     op = "mkldnn._linear_pointwise" if fusion.view.kind == "linear" else "mkldnn._convolution_pointwise"
     binary = ".binary" if "add" in parts else ""
-    return f"{' + '.join(parts)} -> {op}{binary}, weight prepacked once ({str(fusion.view.weight.dtype).removeprefix('torch.')})"  # type: ignore[union-attr]
+    return f"{' + '.join(parts)} -> {op}{binary}, {weight}"
 
 
 def use_onednn_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace conv/linear (+ add) (+ activation) by oneDNN fused kernels with prepacked weights."""
     report = PassReport("use_onednn_kernels")
     usage = ParameterUsage(gm)
-    fusions: list[_Fusion] = []
-    claimed: set[fx.Node] = set()
-    for node in list(gm.graph.nodes):
-        view = weighted_op_view(gm, node)
-        if view is None:
-            continue
-        reason = _guard(view, ctx, usage)
-        if reason is not None:
-            report.skip(node, reason)
-            continue
-        fusion = _plan(gm, view, claimed)
-        claimed.update(fusion.nodes)
-        fusions.append(fusion)
+    fusions = plan_fusions(gm, report, lambda view: _guard(view, ctx, usage))
     if not fusions:
         return finish(gm, False, report)
-    _trial(gm, fusions, ctx.example_inputs)
+    settle_fusions(gm, fusions, ctx.example_inputs, _build)
 
     dropped: list[str] = []
     counts = {"conv": 0, "linear": 0, "add": 0, "activation": 0}
     for fusion in fusions:
         view = fusion.view
-        if fusion.module is None:
+        module = fusion.kernel
+        if module is None:
             report.skip(view.node, str(fusion.reason))
             continue
-        if fusion.length < len(fusion.nodes):
-            left_out = ", ".join(describe(node) for node in fusion.nodes[fusion.length:])
-            report.skip(fusion.nodes[fusion.length], f"not fused into {describe(view.node)} ({left_out}): {fusion.reason}")
+        assert isinstance(module, Prepacked)
+        report_left_out(report, fusion)
         path = _module_path(gm, view)
-        set_attr(gm, path, fusion.module)
+        set_attr(gm, path, module)
         replaced = fusion.nodes[: fusion.length]
         end = replaced[-1]
         with gm.graph.inserting_before(end):
-            args = (view.input, fusion.other) if fusion.module.binary else (view.input,)
+            args = (view.input, fusion.other) if module.binary else (view.input,)
             call = gm.graph.call_module(path, args)
         call.meta.update(end.meta)
         end.replace_all_uses_with(call)
@@ -309,10 +356,10 @@ def use_onednn_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             gm.graph.erase_node(node)
         if view.module is None:
             dropped += [str(target) for target in (view.weight_target, view.bias_target) if target]
-        report.rewrite(call, _describe_fusion(fusion))
+        report.rewrite(call, describe_fusion(fusion, f"weight prepacked once ({str(view.weight.dtype).removeprefix('torch.')})"))  # type: ignore[union-attr]
         counts["linear" if view.kind == "linear" else "conv"] += 1
-        counts["add"] += int(fusion.module.binary)
-        counts["activation"] += int(fusion.module.post_op.attr != "none")
+        counts["add"] += int(module.binary)
+        counts["activation"] += int(module.post_op.attr != "none")
     if report.rewrites:
         report.notes.append(
             f"{counts['conv']} convs and {counts['linear']} linears run by oneDNN with prepacked weights; "

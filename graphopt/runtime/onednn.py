@@ -1,9 +1,10 @@
 """oneDNN modules the optimized graph calls at run time: conv/linear with a weight prepacked once, post-ops fused.
 
 `use_onednn_kernels` (the pass) plans the fusions and puts these modules in the graph;
-this module owns what runs afterwards: the kernel calls, and how a prepacked weight
-behaves in ``state_dict()`` (dense ``<path>.weight``), ``load_state_dict`` (repacked),
-``copy.deepcopy`` and pickling (dense weight stored, repacked on load).
+`use_onednn_linear` calls ``torch.ops.graphopt.linear_add`` (defined here) on a linear's
+own weight. This module owns what runs afterwards: the kernel calls, and how a prepacked
+weight behaves in ``state_dict()`` (dense ``<path>.weight``), ``load_state_dict``
+(repacked), ``copy.deepcopy`` and pickling (dense weight stored, repacked on load).
 """
 
 from __future__ import annotations
@@ -104,6 +105,29 @@ class OneDNNConv(Prepacked):
         return f"{tuple(self.packed_weight.shape)}, stride={self.stride}, padding={self.padding}, groups={self.groups}, fused={fused}"
 
 
+def fused_linear_add(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x, weight, bias) + other`` by oneDNN's fused kernel (``weight`` dense or prepacked).
+
+    The kernel adds same-shape tensors only: where ``other`` broadcasts (a (1, tokens, dim)
+    table fitted a batch of 1 when the fusion was planned), the add runs after the kernel.
+    """
+    if other.shape != (*x.shape[:-1], weight.shape[0]):
+        return mkldnn._linear_pointwise(x, weight, bias, "none", [], "") + other
+    return mkldnn._linear_pointwise.binary(x, other, weight, bias, "add")
+
+
+# The same as a torch op, for graphs (`use_onednn_linear`): torch.fx, pickling and torch.export
+# see one opaque call instead of tracing into the shape check.
+@torch.library.custom_op("graphopt::linear_add", mutates_args=(), schema="(Tensor x, Tensor other, Tensor weight, Tensor? bias) -> Tensor")
+def linear_add(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return fused_linear_add(x, other, weight, bias)
+
+
+@linear_add.register_fake
+def _linear_add_result(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(torch.broadcast_shapes((*x.shape[:-1], weight.shape[0]), other.shape))
+
+
 class OneDNNLinear(Prepacked):
     """linear (+ activation, or + add) by ``torch.ops.mkldnn._linear_pointwise`` on a prepacked weight."""
 
@@ -118,11 +142,7 @@ class OneDNNLinear(Prepacked):
         if other is None:
             attr, _, algorithm = self.post_op
             return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, self.scalars, algorithm)
-        if other.shape[:-1] != x.shape[:-1]:
-            # the add broadcasts `other` (a (1, tokens, dim) table fitted a batch of 1 when this was planned):
-            # the fused kernel adds same-shape tensors only, so add after the kernel
-            return mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "") + other
-        return mkldnn._linear_pointwise.binary(x, other, self.packed_weight, self.bias, "add")
+        return fused_linear_add(x, other, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         fused = [*(["add"] if self.binary else []), *([self.post_op.attr] if self.post_op.attr != "none" else [])]

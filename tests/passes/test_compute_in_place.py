@@ -368,7 +368,7 @@ def test_optimize_runs_it_last_and_keeps_onednn_residual_fusions() -> None:
     x = torch.randn(2, 3, 16, 16)
     asked_first = ["compute_in_place", *(name for name in cpu_kernel_passes("fp32", "channels_last") if name != "compute_in_place")]
     optimized = graphopt.optimize(model, (x,), memory_format="channels_last", passes=asked_first)
-    assert [p.name for p in optimized.graphopt_report.passes][-2:] == ["use_onednn_kernels", "compute_in_place"]
+    assert [p.name for p in optimized.graphopt_report.passes][-3:] == ["use_onednn_kernels", "use_onednn_linear", "compute_in_place"]
     assert len(in_place_ops(optimized.graph_module)) == 1
     for args in (x, torch.randn(3, 3, 16, 16)):
         torch.testing.assert_close(optimized(args), model(args), rtol=1e-5, atol=1e-5)

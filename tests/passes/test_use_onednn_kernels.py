@@ -268,7 +268,7 @@ def assert_skipped(gm: fx.GraphModule, report, reason: str, count: int = 1) -> N
 def test_guard_training_mode(frontend: str) -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2))
     gm, report = rewrite(model, (channels_last((2, 3, 4, 4)),), frontend, mode="training")
-    assert_skipped(gm, report, "training mode: prepacked weights have no gradient", count=2)
+    assert_skipped(gm, report, "training mode: oneDNN's fused kernels have no gradient", count=2)
 
 
 def test_guard_onednn_unavailable_or_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
