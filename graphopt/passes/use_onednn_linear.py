@@ -13,9 +13,9 @@ shapes (Intel's own extension for PyTorch kept MKL for float32 linears by defaul
 distinct linear (input and weight shapes, fused op) is timed on the example values, the
 ATen ops against the fused kernel, interleaved (`graphopt.timing.compare_latency`, about
 half a second each), and the kernel is used only where it is faster; the report gives the
-figures. On BERT-base (batch 8, sequence 128, AMD EPYC Zen 2, 2 threads) the model ran
-1.00-1.09x faster than eager across runs (docs/benchmarks.md). Results differ from ATen's
-by float32 rounding.
+figures. On BERT-base (batch 8, sequence 128, AMD EPYC Zen 2, 2 threads) the default
+preset ran 1.02-1.09x faster than eager with it, 1.00-1.01x without (docs/benchmarks.md).
+Results differ from ATen's by float32 rounding.
 
 Unlike `use_onednn_kernels` (opt-in), nothing is prepacked: the kernel reads the model's
 own weight and bias (``get_attr``), so ``parameters()``, ``state_dict()``, copies, tied
