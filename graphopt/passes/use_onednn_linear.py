@@ -47,7 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from graphopt import timing
-from graphopt.ops import WeightedOpView
+from graphopt.ops import ACTIVATIONS, WeightedOpView
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.passes.use_onednn_kernels import Fusion, describe_fusion, kernel_guard, plan_fusions, report_left_out, settle_fusions
 from graphopt.runtime.onednn import PostOp, fused_linear_add
@@ -59,18 +59,9 @@ MEASURE_BUDGET_S = 0.5  # per distinct linear
 LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 LINEAR_ADD = torch.ops.graphopt.linear_add.default
 
-# ATen's op for each oneDNN post-op (`use_onednn_kernels._post_op`), called as op(y, *scalars), gelu with approximate=algorithm
-_ATEN_POST_OPS: dict[str, Callable[..., torch.Tensor]] = {
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "hardtanh": F.hardtanh,
-    "leaky_relu": F.leaky_relu,
-    "swish": F.silu,
-    "hardswish": F.hardswish,
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-    "hardsigmoid": F.hardsigmoid,
-}
+# The function computing each activation kind oneDNN fuses, from graphopt.ops' activation table
+# (relu6's row reads as hardtanh, whose own row gives F.hardtanh)
+_FUNCTION_OF_KIND = {row.post_op: row.functions[0] for row in ACTIVATIONS if row.post_op == row.name}
 
 # The timer is a module attribute so that tests can replace it with a deterministic one.
 compare_latency: Callable[..., tuple[float, float]] = timing.compare_latency
@@ -107,7 +98,8 @@ class _Linear:
 
 def _aten_post_op(attr: str, scalars: Any, algorithm: str) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...], dict[str, Any]]:
     """ATen's function computing oneDNN post-op ``attr`` (not "none"), with its arguments after the input."""
-    return _ATEN_POST_OPS[attr], tuple(scalars), {"approximate": algorithm} if attr == "gelu" else {}
+    kind = "silu" if attr == "swish" else attr  # use_onednn_kernels names silu's post-op by oneDNN's name
+    return _FUNCTION_OF_KIND[kind], tuple(scalars), {"approximate": algorithm} if attr == "gelu" else {}
 
 
 def _build(fusion: Fusion, length: int, x: torch.Tensor) -> _Linear:
