@@ -19,8 +19,10 @@ from graphopt.errors import (
     InvalidInputsError,
     InvalidModelError,
     InvalidOptionError,
+    LoadError,
     ModeSwitchError,
     PassModeError,
+    SaveError,
     SideEffectWarning,
     UnknownPassError,
     VerificationError,
@@ -30,6 +32,7 @@ from graphopt.export import export_onnx
 from graphopt.pipeline import list_passes
 from graphopt.report import PassReport, Report
 from graphopt.runtime import OptimizedModule
+from graphopt.saving import load, package, save
 
 __version__ = "0.1.0"
 
@@ -44,11 +47,13 @@ __all__ = [
     "InvalidInputsError",
     "InvalidModelError",
     "InvalidOptionError",
+    "LoadError",
     "ModeSwitchError",
     "OptimizedModule",
     "PassModeError",
     "PassReport",
     "Report",
+    "SaveError",
     "SideEffectWarning",
     "UnknownPassError",
     "VerificationError",
@@ -59,5 +64,8 @@ __all__ = [
     "export_onnx",
     "lint",
     "list_passes",
+    "load",
     "optimize",
+    "package",
+    "save",
 ]

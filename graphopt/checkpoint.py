@@ -28,8 +28,8 @@ undoes them in reverse order. Both work on plain ``{key: tensor}`` dicts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Union
+from dataclasses import asdict, dataclass
+from typing import Any, Union
 
 import torch
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
@@ -163,6 +163,20 @@ class FoldedScale:
 
 
 StateChange = Union[DroppedBias, FoldedBatchNorm, FoldedScale]
+STATE_CHANGE_KINDS: dict[str, type[StateChange]] = {kind.__name__: kind for kind in (DroppedBias, FoldedBatchNorm, FoldedScale)}  # type: ignore[misc]
+
+
+def state_change_to_dict(change: StateChange) -> dict[str, Any]:
+    """``change`` as JSON-ready data, its kind included (`state_change_from_dict` rebuilds it)."""
+    return {"kind_of_change": type(change).__name__, **asdict(change)}
+
+
+def state_change_from_dict(data: Mapping[str, Any]) -> StateChange:
+    fields = dict(data)
+    kind = STATE_CHANGE_KINDS[fields.pop("kind_of_change")]
+    if kind is FoldedScale:
+        fields["shape"] = tuple(fields["shape"])
+    return kind(**fields)
 
 
 def to_optimized(state_dict: Mapping[str, torch.Tensor], changes: Sequence[StateChange]) -> State:

@@ -2,6 +2,8 @@
 
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
     graphopt optimize path/to/net.py:build --input 8x3x224x224   (MODULE may also be a module of the current folder)
+    graphopt optimize MODULE:FACTORY --input 8x3x224x224 --save model.pt2 [--package model-aoti.pt2]
+    graphopt run model.pt2 [--input 4x3x224x224] [--rounds 20]   (a graphopt.save file or an AOTInductor package)
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
     graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html]
     graphopt lint train.py [--fix] [--format json]
@@ -25,6 +27,8 @@ import os
 import re
 import shlex
 import sys
+import time
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +57,7 @@ from graphopt.passes import REGISTRY, PassInfo
 from graphopt.pipeline import list_passes, preset_with
 from graphopt.precision import PRECISIONS
 from graphopt.runtime import OptimizedModule
+from graphopt.saving import load, package, save
 
 _DTYPES = {
     "float32": torch.float32,
@@ -195,6 +200,45 @@ def _command_optimize(args: argparse.Namespace) -> int:
         print(f"report written to {args.report}")
     if args.onnx:
         print(export_onnx(optimized, inputs, args.onnx, optimize=False, overwrite=args.overwrite))
+    if args.save:
+        print(f"saved to {save(optimized, args.save, overwrite=args.overwrite)} (graphopt run {shlex.quote(args.save)} times it)")
+    if args.package:
+        print(f"AOTInductor package written to {package(optimized, args.package, overwrite=args.overwrite)}")
+    return 0
+
+
+def _is_aoti_package(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any("/data/aotinductor/" in name for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False  # graphopt.load says what is wrong with the file
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    started = time.perf_counter()
+    if _is_aoti_package(path):
+        if not args.input:
+            raise UsageError("an AOTInductor package does not record its inputs: give their shapes with --input, e.g. --input 8x3x224x224")
+        runner: Callable[..., Any] = torch._inductor.aoti_load_package(str(path))
+        kind = "AOTInductor package"
+    else:
+        runner = load(path)
+        kind = f"graphopt module; accepts {runner.input_signature.describe()}" if runner.input_signature else "graphopt module"
+    loaded_s = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.input:
+        inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+    else:
+        inputs = runner.input_signature.example_inputs()  # the sizes it was optimized at
+    with torch.no_grad():
+        outputs = runner(*inputs)
+    shapes = [list(leaf.shape) for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+    print(f"{path}: {kind}; loaded in {loaded_s:.2f}s")
+    print(f"inputs {[list(leaf.shape) for leaf in torch.utils._pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]} -> outputs {shapes}")
+    latency = median_latencies({"run": lambda: runner(*inputs)}, rounds=args.rounds)["run"]
+    print(f"median latency {latency * 1e3:.2f} ms over {args.rounds} rounds on {torch.get_num_threads()} threads")
     return 0
 
 
@@ -413,9 +457,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")
-    run.add_argument("--overwrite", action="store_true", help="with --onnx: replace an existing file")
+    run.add_argument("--save", metavar="PATH.pt2", help="also save the optimized module (graphopt.save; graphopt run loads and times it)")
+    run.add_argument("--package", metavar="PATH.pt2", help="also compile it ahead of time into an AOTInductor package (inference; slow to build)")
+    run.add_argument("--overwrite", action="store_true", help="with --onnx, --save or --package: replace an existing file")
     run.add_argument("--no-progress", action="store_true", help="no status line on stderr (shown on a terminal only anyway)")
     run.set_defaults(handler=_command_optimize)
+
+    run_file = commands.add_parser("run", help="load a file graphopt optimize --save (or --package) wrote and time it on random inputs")
+    run_file.add_argument("file", metavar="FILE.pt2", help="a graphopt.save file or an AOTInductor package")
+    run_file.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]", help="one per input (default for graphopt files: the example's sizes)")
+    run_file.add_argument("--rounds", type=_positive_int, default=20, help="timed calls (default 20)")
+    run_file.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    run_file.set_defaults(handler=_command_run)
 
     show = commands.add_parser("diff", help="optimize and show what changed in the graph (whole pipeline or one pass)")
     show.add_argument("target", metavar="MODULE:FACTORY", help="e.g. graphopt.models:resnet_small")

@@ -8,6 +8,12 @@ was wrong and what to do about it. Subclasses also derive from the matching buil
 from __future__ import annotations
 
 
+def error_summary(error: BaseException) -> str:
+    """An exception's type and the first line of its message, to quote in another message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 class GraphoptError(Exception):
     """Base class of every error graphopt raises on purpose."""
 
@@ -72,3 +78,11 @@ class CheckpointError(GraphoptError, ValueError):
 
 class ExportError(GraphoptError):
     """The model could not be exported to ONNX, or the file failed its checks."""
+
+
+class SaveError(GraphoptError, ValueError):
+    """An optimized module could not be written to a file (`graphopt.save`, `graphopt.package`)."""
+
+
+class LoadError(GraphoptError, ValueError):
+    """A file is missing, damaged, or not one `graphopt.load` reads."""

@@ -18,6 +18,7 @@ torch or, worse, a wrong result.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -155,6 +156,7 @@ class TensorSpec:
     dtype: torch.dtype
     device: torch.device
     sizes: tuple[int | None, ...]
+    example: tuple[int, ...] = ()  # the example's sizes (a file is exported at them)
     fixed: tuple[tuple[int, int], ...] = field(init=False, repr=False)  # (dim, size) of each fixed size, for `fits`
 
     def __post_init__(self) -> None:
@@ -222,11 +224,63 @@ class InputSignature:
         for name, leaf, dims in zip(leaf_names(args, self.names), leaves, free, strict=True):
             if isinstance(leaf, torch.Tensor):
                 sizes = tuple(None if dim in dims else size for dim, size in enumerate(leaf.shape))
-                self.leaves.append(TensorSpec(name, leaf.dtype, leaf.device, sizes))
+                self.leaves.append(TensorSpec(name, leaf.dtype, leaf.device, sizes, tuple(leaf.shape)))
             else:
                 self.leaves.append((name, leaf))
         # the usual call, a flat tuple of tensors, is checked without flattening
         self.tensors_only = len(args) == len(self.leaves) and all(isinstance(leaf, TensorSpec) for leaf in self.leaves)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The signature as JSON-ready data (`from_dict` rebuilds it); raises `TypeError` for a non-tensor input JSON cannot hold."""
+        parameters = None
+        if self.signature is not None:
+            parameters = [{"name": p.name, **({} if p.default is inspect.Parameter.empty else {"default": p.default})} for p in self.parameters]
+        leaves = [
+            {"name": leaf.name, "dtype": str(leaf.dtype).removeprefix("torch."), "device": str(leaf.device), "sizes": list(leaf.sizes), "example": list(leaf.example)}
+            if isinstance(leaf, TensorSpec)
+            else {"name": leaf[0], "value": leaf[1]}
+            for leaf in self.leaves
+        ]
+        data = {"parameters": parameters, "names": self.names, "spec": pytree.treespec_dumps(self.spec), "leaves": leaves, "fixed_values": self.fixed_values, "settings": self.settings}
+        json.dumps(data)  # raises TypeError now rather than in the caller's file writing
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], fixed_values: bool | None = None) -> InputSignature:
+        """The signature `to_dict` wrote; ``fixed_values``: override whether non-tensor inputs must equal the example's."""
+        signature = cls.__new__(cls)
+        parameters = data["parameters"]
+        signature.signature = None
+        if parameters is not None:
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            signature.signature = inspect.Signature([inspect.Parameter(p["name"], kind, **({"default": p["default"]} if "default" in p else {})) for p in parameters])
+        signature.parameters = positional_parameters(signature.signature) if signature.signature else []
+        signature.names = list(data["names"])
+        signature.spec = pytree.treespec_loads(data["spec"])
+        signature.fixed_values = data["fixed_values"] if fixed_values is None else fixed_values
+        signature.settings = dict(data["settings"])
+        signature.leaves = [
+            TensorSpec(leaf["name"], getattr(torch, leaf["dtype"]), torch.device(leaf["device"]), tuple(leaf["sizes"]), tuple(leaf["example"]))
+            if "dtype" in leaf
+            else (leaf["name"], leaf["value"])
+            for leaf in data["leaves"]
+        ]
+        signature.free = any(isinstance(leaf, TensorSpec) and None in leaf.sizes for leaf in signature.leaves)
+        signature.tensors_only = len(signature.names) == len(signature.leaves) and all(isinstance(leaf, TensorSpec) for leaf in signature.leaves)
+        return signature
+
+    def example_inputs(self) -> tuple[Any, ...]:
+        """Inputs of the example's sizes, dtypes and devices with fresh values (zeros for integer and bool tensors), non-tensor inputs as given."""
+        generator = torch.Generator().manual_seed(SEED)
+
+        def make(leaf: TensorSpec | tuple[str, Any]) -> Any:
+            if not isinstance(leaf, TensorSpec):
+                return leaf[1]
+            if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
+                return torch.randn(leaf.example, generator=generator).to(leaf.dtype).to(leaf.device)
+            return torch.zeros(leaf.example, dtype=leaf.dtype, device=leaf.device)
+
+        return pytree.tree_unflatten([make(leaf) for leaf in self.leaves], self.spec)
 
     def dims(self) -> Dims:
         """Per leaf of the inputs, the dimensions calls may vary."""

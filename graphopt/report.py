@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from graphopt.checkpoint import StateChange
+from graphopt.checkpoint import StateChange, state_change_from_dict, state_change_to_dict
 
 
 def describe(node: fx.Node) -> str:
@@ -213,9 +214,33 @@ class Report:
         return found
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (without the graph diffs); `from_dict` rebuilds it."""
         data = asdict(replace(self, diffs={}, captured_nodes=[]))
         del data["diffs"], data["captured_nodes"]
+        for entry, report in zip(data["passes"], self.passes, strict=True):
+            entry["state_changes"] = [state_change_to_dict(change) for change in report.state_changes]
         return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Report:
+        """The report `to_dict` wrote."""
+        fields = dict(data)
+
+        def pass_report(entry: Mapping[str, Any]) -> PassReport:
+            entry = dict(entry)
+            entry["rewrites"] = [Rewrite(**r) for r in entry["rewrites"]]
+            entry["skips"] = [Skip(**s) for s in entry["skips"]]
+            entry["created"] = [NodeChange(**c) for c in entry["created"]]
+            entry["erased"] = [NodeChange(**c) for c in entry["erased"]]
+            entry["state_changes"] = [state_change_from_dict(c) for c in entry["state_changes"]]
+            return PassReport(**entry)
+
+        fields["passes"] = [pass_report(entry) for entry in fields["passes"]]
+        if fields.get("fusion") is not None:
+            fields["fusion"] = FusionReport(**{**fields["fusion"], "regions": [RegionReport(**r) for r in fields["fusion"]["regions"]]})
+        if fields.get("tune") is not None:
+            fields["tune"] = TuneReport(**{**fields["tune"], "candidates": [TuneCandidate(**c) for c in fields["tune"]["candidates"]]})
+        return cls(**fields)
 
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "graphopt"
 # docs/architecture.md's layers, top down: a module imports from its own layer or below; a name covers its submodules
 LAYERS = {
     "entry points": ("graphopt", "graphopt.cli", "graphopt.bench", "graphopt.lint", "graphopt.data"),
-    "API": ("graphopt.api", "graphopt.export", "graphopt.tuning", "graphopt.precision"),
+    "API": ("graphopt.api", "graphopt.export", "graphopt.saving", "graphopt.tuning", "graphopt.precision"),
     "backends": ("graphopt.backends",),
     "pipeline": ("graphopt.pipeline", "graphopt.capture", "graphopt.validate", "graphopt.side_effects", "graphopt.device"),
     "passes": ("graphopt.passes",),

@@ -282,6 +282,38 @@ def test_errors_name_the_command_line_options(capsys: pytest.CaptureFixture[str]
     assert code == 2 and "--passes asks for to_channels_last but --memory-format preserve forbids it" in err
 
 
+def test_optimize_saves_the_module_and_run_loads_and_times_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    saved = tmp_path / "resnet.pt2"
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--save", str(saved))
+    assert code == 0, err
+    assert f"saved to {saved}" in out and saved.is_file()
+    code, out, err = run(capsys, "run", str(saved), "--rounds", "2")
+    assert code == 0, err
+    assert "graphopt module; accepts (x: Tensor[*, 3, 32, 32] float32 on cpu)" in out
+    assert "inputs [[2, 3, 32, 32]] -> outputs [[2, 10]]" in out and "median latency" in out
+    code, out, err = run(capsys, "run", str(saved), "--input", "5x3x32x32", "--rounds", "1")
+    assert code == 0, err
+    assert "inputs [[5, 3, 32, 32]] -> outputs [[5, 10]]" in out
+    code, _, err = run(capsys, "run", str(saved), "--input", "5x3x31x32")
+    assert code == 2 and "x has shape [5, 3, 31, 32], but this optimized module accepts" in err
+    code, _, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--save", str(saved))
+    assert code == 2 and "pass --overwrite to replace it" in err
+    code, _, err = run(capsys, "run", str(tmp_path / "missing.pt2"))
+    assert code == 2 and "no file at" in err
+
+
+def test_optimize_packages_the_module_with_aotinductor(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--package reaches graphopt.package (the compile itself is tested in test_saving: it takes a while)."""
+
+    def no_compiler(program: Any, package_path: str) -> str:
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--package", str(tmp_path / "model.pt2"))
+    assert code == 2 and "AOTInductor could not compile the graph (RuntimeError: no C++ compiler found). Nothing was written." in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_module_entry_point_exits_with_the_error_status() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(

@@ -47,10 +47,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from graphopt import timing
-from graphopt.ops import ACTIVATIONS, WeightedOpView
+from graphopt.ops import WeightedOpView
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.passes.use_onednn_kernels import Fusion, describe_fusion, kernel_guard, plan_fusions, report_left_out, settle_fusions
-from graphopt.runtime.onednn import PostOp, fused_linear_add
+from graphopt.runtime.onednn import PostOp, aten_post_op, fused_linear_add
 from graphopt.report import PassReport
 
 MIN_WEIGHT_ELEMENTS = 2**19
@@ -58,10 +58,6 @@ MEASURE_BUDGET_S = 0.5  # per distinct linear
 
 LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 LINEAR_ADD = torch.ops.graphopt.linear_add.default
-
-# The function computing each activation kind oneDNN fuses, from graphopt.ops' activation table
-# (relu6's row reads as hardtanh, whose own row gives F.hardtanh)
-_FUNCTION_OF_KIND = {row.post_op: row.functions[0] for row in ACTIVATIONS if row.post_op == row.name}
 
 # The timer is a module attribute so that tests can replace it with a deterministic one.
 compare_latency: Callable[..., tuple[float, float]] = timing.compare_latency
@@ -89,17 +85,11 @@ class _Linear:
             return y + other
         if self.post_op.attr == "none":
             return y
-        function, args, kwargs = _aten_post_op(*self.post_op)
+        function, args, kwargs = aten_post_op(*self.post_op)
         return function(y, *args, **kwargs)
 
     def key(self, x: torch.Tensor) -> tuple[Any, ...]:
         return (tuple(x.shape), x.dtype, tuple(self.weight.shape), self.bias is not None, self.post_op, self.binary)
-
-
-def _aten_post_op(attr: str, scalars: Any, algorithm: str) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...], dict[str, Any]]:
-    """ATen's function computing oneDNN post-op ``attr`` (not "none"), with its arguments after the input."""
-    kind = "silu" if attr == "swish" else attr  # use_onednn_kernels names silu's post-op by oneDNN's name
-    return _FUNCTION_OF_KIND[kind], tuple(scalars), {"approximate": algorithm} if attr == "gelu" else {}
 
 
 def _build(fusion: Fusion, length: int, x: torch.Tensor) -> _Linear:
@@ -203,7 +193,7 @@ def restore_aten_linears(gm: fx.GraphModule) -> None:
                 x, weight, bias, attr, scalars, algorithm = node.args
                 replacement = gm.graph.call_function(F.linear, (x, weight, bias))
                 if attr != "none":
-                    function, args, kwargs = _aten_post_op(attr, scalars, algorithm)
+                    function, args, kwargs = aten_post_op(attr, scalars, algorithm)
                     replacement = gm.graph.call_function(function, (replacement, *args), kwargs)
         replacement.meta.update(node.meta)
         node.replace_all_uses_with(replacement)

@@ -9,6 +9,7 @@ submodules directly, so ``state_dict()`` keys are the model's own.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -183,6 +184,17 @@ class OptimizedModule(nn.Module):
         if not self.original_keys:
             return original
         return {key: original[key] for key in self.original_keys if key in original}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
+        """A copy of the module and its graph, sharing the copied graph's submodules and tensors (not by pickling, which
+        `graphopt.saving` turns into writing a file)."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        shared = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
+        copied.__dict__.update(copy.deepcopy({key: value for key, value in self.__dict__.items() if key not in shared}, memo))
+        for key in shared:
+            copied.__dict__[key] = getattr(copied.graph_module, key)
+        return copied
 
     def extra_repr(self) -> str:
         return f"mode={self.graphopt_report.mode}, frontend={self.graphopt_report.frontend}"

@@ -9,12 +9,19 @@ weight behaves in ``state_dict()`` (dense ``<path>.weight``), ``load_state_dict`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
+from graphopt.ops import ACTIVATIONS
+
 mkldnn = torch.ops.mkldnn
+
+# The function computing each activation kind oneDNN fuses, from graphopt.ops' activation table
+# (relu6's row reads as hardtanh, whose own row gives F.hardtanh)
+_FUNCTION_OF_KIND = {row.post_op: row.functions[0] for row in ACTIVATIONS if row.post_op == row.name}
 
 
 class PostOp(NamedTuple):
@@ -26,6 +33,13 @@ class PostOp(NamedTuple):
 
 
 NO_POST_OP = PostOp()
+
+
+def aten_post_op(attr: str, scalars: Any, algorithm: str) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...], dict[str, Any]]:
+    """ATen's function computing oneDNN post-op ``attr`` (not "none"), with its arguments after the input."""
+    kind = "silu" if attr == "swish" else attr  # use_onednn_kernels names silu's post-op by oneDNN's name
+    return _FUNCTION_OF_KIND[kind], tuple(scalars), {"approximate": algorithm} if attr == "gelu" else {}
+
 
 class Prepacked(nn.Module):
     """A oneDNN op with a prepacked weight: dense in state_dict, deepcopy and pickles; packed when running."""

@@ -1,0 +1,390 @@
+"""``graphopt.save`` / ``graphopt.load`` / ``graphopt.package``: keep an optimized module, and deploy it.
+
+- `save` writes one ``.pt2`` file, a torch.export archive (``torch.export.save``) of the
+  optimized graph with its weights, and beside them (the archive's extra files) what
+  `load` needs to hand back an `OptimizedModule`: the report, the input signature (the
+  calls it accepts, dynamic dimensions included), the original model's state_dict keys
+  and, for low-precision weights, their fp32 values. The graph is exported from the
+  optimized graph itself, at the example's sizes with the verified dimensions dynamic;
+  oneDNN kernels are written in their portable form (`graphopt.runtime.portable`:
+  prepacked weights as dense tensors). The file is written beside the destination,
+  loaded back and compared with the module on the example's sizes and on a second size of
+  each dynamic dimension, and only then moved into place.
+- `load` reads it in any process that has graphopt (not the model's source): it checks
+  the archive (complete, every member's checksum, graphopt's format and version, no
+  pickled entries, so that loading runs no code from the file) before torch.export reads
+  it, then turns the portable calls back into oneDNN kernels, prepacked for this CPU.
+- `package` compiles the graph ahead of time with AOTInductor
+  (``torch._inductor.aoti_compile_and_package``) into a ``.pt2`` package that
+  ``torch._inductor.aoti_load_package`` and the C++ runtime run without Python model code;
+  graphopt's oneDNN ops are written as ATen for it (Inductor fuses on its own). The
+  package is checked the same way before it is moved into place.
+
+Both write inference modules only (a training run keeps checkpoints: ``state_dict()``,
+``original_state_dict()``). ``fuse=`` regions are saved as their eager ops: compiled code
+is specific to the machine and process (`package` is the compiled form).
+"""
+
+from __future__ import annotations
+
+import base64
+import copyreg
+import json
+import os
+import sys
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Callable
+from importlib import metadata as package_metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import Dim, ExportedProgram
+from torch.utils import _pytree as pytree
+
+from graphopt.capture import one_at_a_time
+from graphopt.errors import LoadError, SaveError, error_summary
+from graphopt.inputs import InputSignature, TensorSpec, other_inputs
+from graphopt.report import Report
+from graphopt.runtime import OptimizedModule
+from graphopt.runtime.portable import ATEN_DECOMPOSITIONS, from_portable, to_portable
+from graphopt.verify import compare
+
+try:
+    GRAPHOPT_VERSION = package_metadata.version("graphopt")
+except package_metadata.PackageNotFoundError:  # run from a source tree that was not installed
+    GRAPHOPT_VERSION = "unknown"
+FORMAT = "graphopt.save"
+FORMAT_VERSION = 1
+METADATA_FILE = "graphopt.json"
+FP32_WEIGHTS_FILE = "graphopt-fp32-weights.json"
+
+
+def _check_module(module: Any, what: str) -> InputSignature:
+    if not isinstance(module, OptimizedModule):
+        raise SaveError(f"{what} takes the module graphopt.optimize returned, not a {type(module).__name__}: optimize the model first")
+    if module.graphopt_report.mode != "inference":
+        raise SaveError(
+            f"{what} writes inference modules; this one was optimized for training. Keep training checkpoints with "
+            "module.state_dict() (or original_state_dict() for the original model's keys), and save a module optimized with mode='inference'."
+        )
+    if module.input_signature is None:
+        raise SaveError(f"{what} needs the calls the module accepts, and this module has no input signature: optimize the model again")
+    return module.input_signature
+
+
+def _destination(path: str | os.PathLike[str], overwrite: bool) -> Path:
+    destination = Path(path)
+    if destination.suffix != ".pt2":
+        raise SaveError(f"{destination} does not end in .pt2: name the file you want written, e.g. model.pt2")
+    if destination.exists() and not overwrite:
+        raise SaveError(f"{destination} exists: pass overwrite=True to replace it, or choose another path")
+    if not destination.parent.is_dir():
+        raise SaveError(f"folder {destination.parent} does not exist: create it first")
+    return destination
+
+
+def _checked_inputs(signature: InputSignature) -> list[tuple[Any, ...]]:
+    """The example's sizes, and a second size of each dynamic dimension: what a written file is compared on."""
+    example = signature.example_inputs()
+    if not signature.free:
+        return [example]
+    return [example, other_inputs(example, signature.dims(), strided=False).args]
+
+
+def _export(module: OptimizedModule, signature: InputSignature) -> ExportedProgram:
+    """torch.export's program of the module's graph, oneDNN kernels in portable form, the free dimensions dynamic."""
+    specs = [
+        {dim: Dim.AUTO for dim, size in enumerate(leaf.sizes) if size is None} or None if isinstance(leaf, TensorSpec) else None
+        for leaf in signature.leaves
+    ]
+    dynamic_shapes = pytree.tree_unflatten(specs, signature.spec)
+    try:
+        program = torch.export.export(to_portable(module.graph_module), signature.example_inputs(), dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as error:
+        raise SaveError(f"torch.export could not export the optimized graph ({error_summary(error)})") from error
+    user_inputs = set(program.graph_signature.user_inputs)
+    tensors = [node.meta["val"] for node in program.graph.nodes if node.name in user_inputs and isinstance(node.meta.get("val"), torch.Tensor)]
+    fixed = [
+        f"{leaf.name} dim {dim}"
+        for leaf, tensor in zip([leaf for leaf in signature.leaves if isinstance(leaf, TensorSpec)], tensors, strict=True)
+        for dim, size in enumerate(leaf.sizes)
+        if size is None and isinstance(tensor.shape[dim], int)
+    ]
+    if fixed:
+        raise SaveError(
+            f"torch.export fixed {', '.join(fixed)} to the example's size, which the optimized module accepts other sizes of: "
+            "optimize with dynamic_shapes=None (or without those dimensions) to save a module of fixed sizes"
+        )
+    return program
+
+
+def _compare_runs(module: OptimizedModule, run: Callable[..., Any], signature: InputSignature, what: str) -> None:
+    """Raise `SaveError` unless ``run`` (the written file, loaded) gives the module's outputs."""
+    compute_dtype = next((t.dtype for t in module.parameters() if t.dtype in (torch.bfloat16, torch.float16)), None)
+    for args in _checked_inputs(signature):
+        expected = module(*args)
+        comparison = compare(expected, run(*args), compute_dtype)
+        if not comparison.ok:
+            raise SaveError(
+                f"{what} computes {comparison.where} differently from the optimized module ({comparison.detail or comparison.max_error}) on "
+                f"inputs {[tuple(t.shape) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]}. Nothing was written."
+            )
+
+
+def _write_beside(destination: Path, write: Callable[[Path], None], check: Callable[[Path], None]) -> None:
+    """``write`` a file in a scratch folder beside ``destination``, ``check`` it, then move it into place."""
+    with tempfile.TemporaryDirectory(prefix=f".{destination.name}.", dir=destination.parent) as scratch:
+        staged = Path(scratch) / destination.name
+        write(staged)
+        check(staged)
+        os.replace(staged, destination)
+
+
+def _container_modules(spec: pytree.TreeSpec) -> set[str]:
+    """The modules defining the containers of a pytree (e.g. transformers.modeling_outputs), beside Python's and torch's own."""
+    found = set() if spec.type is None or spec.type.__module__.split(".")[0] in ("builtins", "collections", "torch") else {spec.type.__module__}
+    return found.union(*(_container_modules(child) for child in spec.children()))
+
+
+def _metadata(module: OptimizedModule, signature: InputSignature, program: ExportedProgram) -> dict[str, Any]:
+    report = module.graphopt_report.to_dict()
+    if module.graphopt_report.fusion is not None:
+        report["fusion"] = None
+        report["notes"].append(
+            f"fuse={module.graphopt_report.fusion.backend!r} was not saved: compiled code belongs to the process that compiled it, so "
+            "the loaded module runs those ops eagerly (graphopt.package compiles the whole graph ahead of time)"
+        )
+    try:
+        signature_data = signature.to_dict()
+    except TypeError as error:
+        raise SaveError(f"an input that is not a tensor cannot be written to the file ({error}): only None, bools, numbers and strings can") from error
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "graphopt_version": GRAPHOPT_VERSION,
+        "torch_version": torch.__version__,
+        "report": report,
+        "signature": signature_data,
+        "original_keys": list(module.original_keys),
+        # classes of the inputs' and outputs' containers that must be registered with torch's pytree when the file is read
+        "container_modules": sorted(_container_modules(program.call_spec.in_spec) | _container_modules(program.call_spec.out_spec)),
+        "inference_mode": module.inference_mode,
+    }
+
+
+def _encode_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """Tensors as JSON: dtype, shape and the raw bytes in base64 (no pickle)."""
+    return json.dumps(
+        {
+            name: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data": base64.b64encode(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).decode(),
+            }
+            for name, t in tensors.items()
+        }
+    )
+
+
+def _decode_tensors(text: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, entry in json.loads(text).items():
+        raw = bytearray(base64.b64decode(entry["data"]))
+        tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(getattr(torch, entry["dtype"])).reshape(entry["shape"]).clone()
+    return tensors
+
+
+@one_at_a_time
+def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write ``module`` (from `graphopt.optimize`, for inference) to ``path``, a ``.pt2`` file `load` reads.
+
+    The file holds the graph, its weights, the report and the calls it accepts; loading it
+    needs graphopt, not the model's code. It is written beside ``path``, loaded back and
+    compared with ``module`` (at the example's sizes and a second size of each dynamic
+    dimension), then moved into place: a failure leaves nothing behind. Raises `SaveError`.
+    """
+    signature = _check_module(module, "graphopt.save")
+    destination = _destination(path, overwrite)
+    program = _export(module, signature)
+    extra_files = {METADATA_FILE: json.dumps(_metadata(module, signature, program))}
+    fp32_weights = module.fp32_weights()
+    if fp32_weights:
+        extra_files[FP32_WEIGHTS_FILE] = _encode_tensors(fp32_weights)
+    if module.graphopt_report.fusion is not None:
+        warnings.warn(
+            f"graphopt.save: fuse={module.graphopt_report.fusion.backend!r} is not saved (compiled code is specific to this process): the "
+            "loaded module runs those ops eagerly. graphopt.package compiles the whole graph ahead of time.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def write(staged: Path) -> None:
+        try:
+            with warnings.catch_warnings():
+                # torch's check of whether a weight covers its storage misreads channels_last weights (which do); harmless on CPU
+                warnings.filterwarnings("ignore", "No complete tensor found in the group")
+                torch.export.save(program, staged, extra_files=extra_files)
+        except Exception as error:
+            raise SaveError(f"torch.export.save could not write the program ({error_summary(error)}). Nothing was written.") from error
+
+    def check(staged: Path) -> None:
+        _compare_runs(module, _read(staged), signature, "the saved file")
+
+    _write_beside(destination, write, check)
+    return destination
+
+
+def _archive_members(source: Path) -> dict[str, str]:
+    """The archive's member names by their path inside it (without the archive's top folder); checks every checksum."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            damaged = archive.testzip()
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise LoadError(f"{source} is not a complete .pt2 archive ({error}): the file is truncated or not one graphopt.save wrote. Save the module again.") from error
+    except Exception as error:  # zlib and struct errors of a damaged member
+        raise LoadError(f"{source} is damaged ({type(error).__name__}: {error}): save the module again") from error
+    if damaged is not None:
+        raise LoadError(f"{source} is damaged: {damaged} fails its checksum. Save the module again.")
+    return {name.partition("/")[2]: name for name in names}
+
+
+def _refuse_pickles(source: Path, archive: zipfile.ZipFile, members: dict[str, str]) -> None:
+    """Raise `LoadError` if torch.export.load would unpickle anything from the file (which could run code)."""
+    pickled = []
+    for inner, name in members.items():
+        if inner in ("data/weights/model.pt", "data/constants/model.pt"):
+            pickled.append(inner)  # the legacy formats, unpickled
+        elif inner.startswith(("data/weights/", "data/constants/")) and inner.endswith("_config.json"):
+            for key, entry in json.loads(archive.read(name))["config"].items():
+                if entry.get("use_pickle") or not str(entry.get("path_name", "")).startswith(("weight_", "tensor_")):
+                    pickled.append(f"{inner}: {key}")
+        elif inner.startswith("data/sample_inputs/"):
+            try:  # torch.export.load unpickles sample inputs that the safe loader refuses
+                torch.load(archive.open(name), weights_only=True)
+            except Exception:
+                pickled.append(inner)
+    if pickled:
+        raise LoadError(
+            f"{source} holds pickled objects ({', '.join(pickled[:3])}), which graphopt.save never writes and which could run code when "
+            "loaded: it was not written by graphopt.save, or was changed since. Load only files you saved."
+        )
+
+
+def _read_metadata(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if not source.is_file():
+        raise LoadError(f"no file at {source}: give the path graphopt.save wrote")
+    members = _archive_members(source)
+    try:
+        with zipfile.ZipFile(source) as archive:
+            if f"extra/{METADATA_FILE}" not in members:
+                aoti = any(inner.startswith("data/aotinductor/") for inner in members)
+                hint = " (it is an AOTInductor package: run it with torch._inductor.aoti_load_package)" if aoti else ""
+                raise LoadError(f"{source} was not written by graphopt.save{hint}: it has no {METADATA_FILE}")
+            metadata = json.loads(archive.read(members[f"extra/{METADATA_FILE}"]))
+            if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+                raise LoadError(f"{source} was not written by graphopt.save: its {METADATA_FILE} is not graphopt's")
+            if metadata.get("format_version") != FORMAT_VERSION:
+                raise LoadError(
+                    f"{source} is in graphopt's file format version {metadata.get('format_version')} (written by graphopt "
+                    f"{metadata.get('graphopt_version')}); this graphopt ({GRAPHOPT_VERSION}) reads version {FORMAT_VERSION}. Load it with "
+                    "the graphopt that wrote it, or optimize and save the model again with this one."
+                )
+            _refuse_pickles(source, archive, members)
+            missing = [name for name in metadata.get("container_modules", []) if name not in sys.modules]
+            if missing:  # a file does not get to choose what is imported: the caller imports it
+                raise LoadError(
+                    f"the module's inputs or outputs are classes of {', '.join(missing)}, which torch must know to read {source}: "
+                    f"run `import {missing[0]}` before graphopt.load"
+                )
+            fp32_name = members.get(f"extra/{FP32_WEIGHTS_FILE}")
+            fp32_weights = _decode_tensors(archive.read(fp32_name).decode()) if fp32_name else {}
+    except LoadError:
+        raise
+    except Exception as error:  # JSON that does not parse, fields of the wrong kind
+        raise LoadError(f"{source} is damaged ({type(error).__name__}: {error}): save the module again") from error
+    return metadata, fp32_weights
+
+
+def _read(source: Path) -> OptimizedModule:
+    metadata, fp32_weights = _read_metadata(source)
+    try:
+        program = torch.export.load(source)
+        graph_module = program.module()
+        from_portable(graph_module)
+        report = Report.from_dict(metadata["report"])
+        signature = InputSignature.from_dict(metadata["signature"], fixed_values=True)  # the exported graph fixed non-tensor inputs
+    except Exception as error:
+        saved_with = metadata.get("torch_version")
+        versions = f" It was saved with torch {saved_with}; this is torch {torch.__version__}." if saved_with != torch.__version__ else ""
+        raise LoadError(f"{source} could not be loaded ({error_summary(error)}).{versions}") from error
+    graph_module.meta["graphopt_fp32_weights"] = fp32_weights
+    report.notes.append(f"loaded from a file graphopt {metadata.get('graphopt_version')} wrote with torch {metadata.get('torch_version')}")
+    module = OptimizedModule(graph_module, report, original_keys=metadata["original_keys"], signature=signature)
+    module.inference_mode = bool(metadata["inference_mode"])
+    return module
+
+
+@one_at_a_time
+def load(path: str | os.PathLike[str]) -> OptimizedModule:
+    """The `OptimizedModule` `save` wrote to ``path``, ready to run (oneDNN weights packed again for this CPU).
+
+    Needs graphopt, not the model's code. Raises `LoadError` for a missing, truncated,
+    damaged or foreign file, a file of another graphopt format version, or one holding
+    pickled objects.
+    """
+    return _read(Path(path))
+
+
+def to_bytes(module: OptimizedModule) -> bytes:
+    """``module`` as the bytes of the file `save` writes."""
+    with tempfile.TemporaryDirectory() as scratch:
+        return save(module, Path(scratch) / "module.pt2").read_bytes()
+
+
+def from_bytes(data: bytes) -> OptimizedModule:
+    """The module `to_bytes` wrote (with `load`'s checks)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "module.pt2"
+        path.write_bytes(data)
+        return load(path)
+
+
+def _pickled(module: OptimizedModule) -> tuple[Callable[[bytes], OptimizedModule], tuple[bytes]]:
+    return from_bytes, (to_bytes(module),)
+
+
+# Pickling an OptimizedModule (torch.save(module), pickle.dumps) stores `from_bytes` and the bytes of the file `save` writes.
+# torch.load's safe unpickler (weights_only=True, the default) calls only functions it was told of: this one reads
+# nothing but a checked archive. copy.deepcopy does not pickle (OptimizedModule.__deepcopy__).
+copyreg.pickle(OptimizedModule, _pickled)
+torch.serialization.add_safe_globals([from_bytes])
+
+
+@one_at_a_time
+def package(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Compile ``module`` ahead of time with AOTInductor into ``path``, a ``.pt2`` package.
+
+    Run it with ``torch._inductor.aoti_load_package(path)`` (or AOTInductor's C++ loader):
+    no Python model code, and no graphopt, is needed. The dynamic dimensions stay dynamic.
+    Compiling takes a while (a C++ compiler builds code for this CPU's instruction set);
+    the package is checked against ``module`` before it is moved into place. Raises `SaveError`.
+    """
+    signature = _check_module(module, "graphopt.package")
+    destination = _destination(path, overwrite)
+    program = _export(module, signature).run_decompositions(ATEN_DECOMPOSITIONS)
+
+    def write(staged: Path) -> None:
+        try:
+            torch._inductor.aoti_compile_and_package(program, package_path=str(staged))
+        except Exception as error:
+            raise SaveError(f"AOTInductor could not compile the graph ({error_summary(error)}). Nothing was written.") from error
+
+    def check(staged: Path) -> None:
+        _compare_runs(module, torch._inductor.aoti_load_package(str(staged)), signature, "the AOTInductor package")
+
+    _write_beside(destination, write, check)
+    return destination
