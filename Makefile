@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test fuzz demo notebooks bench bench-reference bench-transformers bench-gpu clean
+.PHONY: venv test fuzz demo notebooks bench bench-reference bench-transformers bench-deploy bench-gpu clean
 
 venv: $(STAMP)
 
@@ -61,6 +61,12 @@ bench-reference: $(BENCH_STAMP)
 # graphopt against eager, torch.compile and onnxruntime, interleaved (about 10 minutes on 2 cores). BENCH_ARGS: e.g. "--rounds 20".
 bench-transformers: $(BENCH_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m graphopt.bench.transformers $(BENCH_ARGS)
+
+# A saved-and-loaded module and an AOTInductor package (graphopt.save / graphopt.package) against the Python module,
+# eager and torch.compile (Inductor, freezing) on ResNet-50 and ViT-B/16, batch 8, interleaved (about 10 minutes
+# on 2 cores, most of it compiling). BENCH_ARGS: e.g. "--models resnet50 --rounds 20".
+bench-deploy: $(BENCH_STAMP)
+	$(PY) -m graphopt.bench.deploy $(BENCH_ARGS)
 
 # The same on one CUDA GPU, within 8 minutes: no variant starts after 5 minutes, and the JSON is written after each model.
 bench-gpu: $(BENCH_STAMP)

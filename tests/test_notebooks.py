@@ -12,7 +12,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 def test_there_are_notebooks() -> None:
-    assert [path.name for path in NOTEBOOKS] == ["01_quickstart.ipynb", "02_graph_diffs.ipynb", "03_onnx_export.ipynb"]
+    assert [path.name for path in NOTEBOOKS] == ["01_quickstart.ipynb", "02_graph_diffs.ipynb", "03_onnx_export.ipynb", "04_save_and_deploy.ipynb"]
 
 
 @pytest.mark.slow

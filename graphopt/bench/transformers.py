@@ -36,6 +36,11 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def machine() -> str:
+    """The first line of a benchmark table: CPU model, threads, torch and graphopt versions."""
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, graphopt {graphopt.__version__}"
+
+
 MODELS = ("bert-base", "gpt2-small")
 
 
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="2-layer, 32-wide models: checks the benchmark runs, measures nothing")
     args = parser.parse_args(argv)
     only = {name.strip() for name in args.variants.split(",") if name.strip()} or None
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, graphopt {graphopt.__version__}")
+    print(machine())
     print(f"batch {args.batch}, sequence {args.length}, attention mask; speedup = eager / variant, median of {args.rounds} interleaved rounds\n")
     print("| model | variant | speedup vs eager | max error |")
     print("|---|---|---|---|")
