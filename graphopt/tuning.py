@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from graphopt import progress
+from graphopt.errors import error_summary
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import TuneCandidate, TuneReport
 from graphopt.timing import median_latencies
@@ -189,7 +190,7 @@ def tune(
             module(*args)
             per_call += time.perf_counter() - first
         except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
-            row.status, row.reason = "failed", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            row.status, row.reason = "failed", error_summary(error)
             continue
         row.build_seconds = time.perf_counter() - building
         row.max_error = module.graphopt_report.max_error or 0.0

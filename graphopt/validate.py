@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt import verify
-from graphopt.errors import InvalidInputsError, InvalidModelError
+from graphopt.errors import InvalidInputsError, InvalidModelError, error_summary
 from graphopt.dynamic import Dims, batch_size
 from graphopt.inputs import OtherInputs, describe_inputs, other_inputs, positional_arguments, positional_parameters
 
@@ -244,7 +244,7 @@ class SecondInputs:
         try:
             reference = verify.run_reference(self.model, candidate.args, gradients=self.gradients)
         except Exception as error:
-            self.refused.append(f"{candidate.description}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+            self.refused.append(f"{candidate.description}: {error_summary(error)}")
             return None
         unusable = _unusable_output(reference.outputs)
         if unusable is not None:

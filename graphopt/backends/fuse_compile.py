@@ -41,6 +41,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from graphopt import progress, verify
+from graphopt.errors import error_summary
 from graphopt.dynamic import Dims
 from graphopt.ops import layout_of, record
 from graphopt.ops.record import RunContext
@@ -63,11 +64,6 @@ class _CompileCounter:
 
         self.count += 1
         return compile_fx(gm, example_inputs)
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _tracing() -> bool:
@@ -114,7 +110,7 @@ class FusedRegion(nn.Module):
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 - eager decides whether the inputs or the backend are at fault
             outputs = self.region(*args)  # raises the user's own error when the inputs are wrong
-            self.fallback_reason = _first_line(error)
+            self.fallback_reason = error_summary(error)
             warnings.warn(f"graphopt: the {self.backend} kernel of a pointwise region failed ({self.fallback_reason}); it runs eagerly from now on", RuntimeWarning, stacklevel=2)
             self.use(None)
             return outputs
@@ -269,7 +265,7 @@ def compile_regions(gm: fx.GraphModule, backend: str, example_inputs: tuple[Any,
                 entry.compile_seconds = _warm_up(compiled, args, dict.fromkeys(batch.get(name, ()), (0,)), backend, context)
                 entry.reason = _check(compiled, region, args, context)
             except Exception as error:  # noqa: BLE001 - any backend failure leaves the region eager, with the reason
-                entry.reason = f"{backend} failed: {_first_line(error)}"
+                entry.reason = f"{backend} failed: {error_summary(error)}"
             if entry.reason:
                 entry.status = "eager"
             else:
@@ -298,7 +294,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: tuple[Any, ...], *, contex
             entry.compile_seconds = _warm_up(compiled, args, marks, "inductor", context)
         runner.use(compiled, counter)
     except Exception as error:  # noqa: BLE001 - the graph stays eager, with the reason
-        entry.status, entry.reason = "eager", f"torch.compile failed: {_first_line(error)}"
+        entry.status, entry.reason = "eager", f"torch.compile failed: {error_summary(error)}"
     entry.compilations = runner.compilations
     report.regions.append(entry)
     return runner, report

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt.dynamic import Dims, auto_spec, describe
-from graphopt.errors import ExportError, VerificationError
+from graphopt.errors import ExportError, VerificationError, error_summary
 from graphopt.inputs import other_inputs
 from graphopt.report import Report
 from graphopt.validate import reference_run
@@ -140,8 +140,7 @@ def write_checked(
             _export(exported, args, staged, dynamic, opset, external_data)
         except Exception as error:
             raise ExportError(
-                f"torch.onnx.export could not export {name} ({type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). Nothing was written."
+                f"torch.onnx.export could not export {name} ({error_summary(error)}). Nothing was written."
             ) from error
         try:
             onnx.checker.check_model(str(staged), full_check=True)

@@ -21,6 +21,7 @@ from torch import nn
 
 import graphopt
 from graphopt.bench.transformers import machine
+from graphopt.errors import error_summary
 from graphopt.models import ANCHOR_MODELS, REFERENCE_MODELS
 from graphopt.timing import interleaved_samples
 
@@ -65,7 +66,7 @@ def variants(model: nn.Module, x: torch.Tensor, workdir: Path, only: set[str] | 
             with torch.inference_mode():
                 run(x)  # compiles where the variant compiles
         except Exception as error:  # noqa: BLE001 - a failing variant is reported, not fatal
-            print(f"  {name}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+            print(f"  {name}: failed ({error_summary(error)[:200]})")
             continue
         seconds[name] = time.perf_counter() - started
         built[name] = (lambda run: lambda: run(x))(run)

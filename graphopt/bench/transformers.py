@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import graphopt
+from graphopt.errors import error_summary
 from graphopt.timing import interleaved_samples
 
 
@@ -106,7 +107,7 @@ def variants(model: nn.Module, inputs: dict[str, torch.Tensor], workdir: Path, o
                 run()  # compiles where the variant compiles
             built[name] = run
         except Exception as error:  # noqa: BLE001 - a failing peer is reported, not fatal
-            print(f"  {name}: failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+            print(f"  {name}: failed ({error_summary(error)[:200]})")
     return built
 
 
