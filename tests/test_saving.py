@@ -250,6 +250,8 @@ def test_torch_save_and_torch_load_work_for_both_frontends(frontend: str) -> Non
     assert compare(fast(*x), loaded(*x)).max_error == 0.0
     copied = copy.deepcopy(fast)  # copies do not go through the file
     assert copied._modules is copied.graph_module._modules and copied.graph_module is not fast.graph_module
+    shallow = copy.copy(fast)
+    assert shallow.graph_module is fast.graph_module and shallow._parameters is fast._parameters
 
 
 def test_modules_that_cannot_be_saved_say_what_to_do(tmp_path: Path) -> None:

@@ -185,6 +185,12 @@ class OptimizedModule(nn.Module):
             return original
         return {key: original[key] for key in self.original_keys if key in original}
 
+    def __copy__(self) -> OptimizedModule:
+        """A shallow copy sharing the graph, as for any module (not by pickling, which `graphopt.saving` turns into writing a file)."""
+        copied = self.__class__.__new__(self.__class__)
+        copied.__dict__.update(self.__dict__)
+        return copied
+
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
         """A copy of the module and its graph, sharing the copied graph's submodules and tensors (not by pickling, which
         `graphopt.saving` turns into writing a file)."""
