@@ -28,7 +28,6 @@ import re
 import shlex
 import sys
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -57,7 +56,7 @@ from graphopt.passes import REGISTRY, PassInfo
 from graphopt.pipeline import list_passes, preset_with
 from graphopt.precision import PRECISIONS
 from graphopt.runtime import OptimizedModule
-from graphopt.saving import load, package, save
+from graphopt.saving import is_aoti_package, load, package, save
 
 _DTYPES = {
     "float32": torch.float32,
@@ -207,18 +206,10 @@ def _command_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_aoti_package(path: Path) -> bool:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return any("/data/aotinductor/" in name for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False  # graphopt.load says what is wrong with the file
-
-
 def _command_run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     started = time.perf_counter()
-    if _is_aoti_package(path):
+    if is_aoti_package(path):  # otherwise graphopt.load reads it, or says what is wrong with it
         if not args.input:
             raise UsageError("an AOTInductor package does not record its inputs: give their shapes with --input, e.g. --input 8x3x224x224")
         runner: Callable[..., Any] = torch._inductor.aoti_load_package(str(path))

@@ -252,6 +252,19 @@ def _archive_members(source: Path) -> dict[str, str]:
     return {name.partition("/")[2]: name for name in names}
 
 
+def is_aoti_package(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an AOTInductor package (`package` writes them; `load` does not read them)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return _is_aoti(name.partition("/")[2] for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _is_aoti(inner_names: Any) -> bool:
+    return any(inner.startswith("data/aotinductor/") for inner in inner_names)
+
+
 def _refuse_pickles(source: Path, archive: zipfile.ZipFile, members: dict[str, str]) -> None:
     """Raise `LoadError` if torch.export.load would unpickle anything from the file (which could run code)."""
     pickled = []
@@ -281,8 +294,7 @@ def _read_metadata(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
     try:
         with zipfile.ZipFile(source) as archive:
             if f"extra/{METADATA_FILE}" not in members:
-                aoti = any(inner.startswith("data/aotinductor/") for inner in members)
-                hint = " (it is an AOTInductor package: run it with torch._inductor.aoti_load_package)" if aoti else ""
+                hint = " (it is an AOTInductor package: run it with torch._inductor.aoti_load_package)" if _is_aoti(members) else ""
                 raise LoadError(f"{source} was not written by graphopt.save{hint}: it has no {METADATA_FILE}")
             metadata = json.loads(archive.read(members[f"extra/{METADATA_FILE}"]))
             if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
