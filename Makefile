@@ -45,11 +45,12 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-# graphopt against its peers (torch.compile, onnxruntime, TorchScript, fx optimization) on the full-size anchor models (ResNet-50, MobileNetV2,
-# EfficientNet-B0, ConvNeXt-Tiny, ViT-B/16), batch 8, on a quiet machine (about 25 minutes on 2 cores): prints, per
-# model, the fastest graphopt variant against each peer; writes bench-results/bench.{json,md,png}.
+# graphopt against its strongest peers (OpenVINO, torch.compile with Inductor freezing, onnxruntime, eager autocast) on the
+# full-size anchor models (ResNet-50, MobileNetV2, EfficientNet-B0, ConvNeXt-Tiny, ViT-B/16), batch 8, on a quiet machine
+# (about 40 minutes on 2 cores): prints, per model and precision class, graphopt's default and fastest variant against
+# the best peer, with roofline fractions; writes bench-results/bench.{json,md,png}.
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--models resnet50 --rounds 20".
-ANCHOR_VARIANTS := eager,eager-amp-cl,compile,compile-amp-cl,fx-ofi,jit-freeze,ort-plain,graphopt-cl-onednn,graphopt-low-cl,graphopt-low-cl-onednn,graphopt-tune
+ANCHOR_VARIANTS := eager,eager-amp-cl,graphopt-default,graphopt-low,graphopt-cl-onednn,graphopt-low-cl-onednn,graphopt-tune,graphopt-cl-fuse,graphopt-low-cl-graph,compile-freeze-cl,compile-freeze-amp-cl,ort-plain,openvino,openvino-f32
 bench: $(BENCH_STAMP)
 	$(VENV)/bin/graphopt bench --models anchors --batch 8 --rounds 10 --variants '$(ANCHOR_VARIANTS)' $(BENCH_ARGS)
 

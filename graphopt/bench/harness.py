@@ -21,6 +21,13 @@ warmed up, above the level before, after freed memory was handed back to the OS;
 memory an earlier variant freed but the allocator kept can be reused without showing,
 so it is a lower bound (it includes weights copied by the variant).
 
+Roofline: each model's floating-point operations per call are counted once on eager fp32
+(``torch.utils.flop_counter``: convolutions, matrix products, attention; two per
+multiply-add), and the machine's matrix-multiply rate is measured at the start of the run,
+in the same process and threads, in fp32 and in the run's low precision (a square
+``torch.mm``, median of timed calls). A variant's roofline fraction is its achieved FLOP/s
+over the rate of its precision class (`graphopt.bench.results`).
+
 Foreign load: the CPU time of other processes while timing is measured from the
 system's and this process's CPU counters; above a quarter of a core on average, the
 model's results carry a warning, as does a busy machine at the start (load average).
@@ -48,7 +55,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt.bench.results import FOREIGN_CPU_WARNING, BenchResult, ModelResult, VariantResult
-from graphopt.bench.variants import Runner, Setup, Variant, VariantSkipped
+from graphopt.bench.variants import LOW_PRECISIONS, Runner, Setup, Variant, VariantSkipped
 from graphopt.timing import interleaved_samples, wall_clock_seconds
 
 try:
@@ -233,6 +240,48 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     }
 
 
+def matmul_gflops(dtype: torch.dtype, size: int, device: torch.device, budget_s: float = 1.0) -> float:
+    """The rate of a ``size`` x ``size`` matrix product in ``dtype`` on ``device``, in GFLOP/s (median of timed calls).
+
+    A 512 x 512 probe runs first: when it shows the full size would take over five times
+    ``budget_s`` a call (bf16 on a CPU without bf16 instructions runs some 100x slower than
+    fp32), the probe's rate is returned instead.
+    """
+    generator = torch.Generator().manual_seed(0)
+
+    def rate(n: int, calls_budget_s: float) -> float:
+        a, b = (torch.randn(n, n, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
+        seconds: list[float] = []
+        with torch.inference_mode():
+            torch.mm(a, b)  # warm-up: oneDNN/MKL pick and cache their kernels
+            _synchronize(device)
+            started = time.perf_counter()
+            while len(seconds) < 3 or (len(seconds) < 50 and time.perf_counter() - started < calls_budget_s):
+                call_started = time.perf_counter()
+                torch.mm(a, b)
+                _synchronize(device)
+                seconds.append(time.perf_counter() - call_started)
+        return 2 * n**3 / float(np.median(seconds)) / 1e9
+
+    probe_size = min(size, 512)
+    probe = rate(probe_size, 0.0)
+    if probe_size == size or 2 * size**3 / (probe * 1e9) > 5 * budget_s:
+        return probe
+    return rate(size, budget_s)
+
+
+def count_flops(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> float | None:
+    """Floating-point operations of one eager call (two per multiply-add), None when torch's counter fails on it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            model(*inputs)
+    except Exception:  # the counter is a measurement aid: a model it cannot follow just has no roofline figure
+        return None
+    return float(counter.get_total_flops()) or None
+
+
 def _failure(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".strip()
@@ -275,6 +324,7 @@ class Harness:
         low_precision: str = "bf16",
         time_budget_s: float | None = None,
         measure: Measure | None = None,
+        matmul_size: int = 2048,
         log: Callable[[str], None] = print,
     ) -> None:
         if not variants or variants[0].role != "baseline":
@@ -285,10 +335,22 @@ class Harness:
         self.deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         self.time_budget_s = time_budget_s
         self.measure = measure or (cuda_event_seconds if self.device.type == "cuda" else wall_clock_seconds)
+        self.matmul_size = matmul_size
+        self._rates: dict[str, float] | None = None
         self.log = log
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """The machine's matrix-multiply rate in fp32 and the low precision, GFLOP/s (measured on first use)."""
+        if self._rates is None:
+            dtypes = {"fp32": torch.float32, self.low_precision: LOW_PRECISIONS[self.low_precision]}
+            self._rates = {name: matmul_gflops(dtype, self.matmul_size, self.device) for name, dtype in dtypes.items()}
+        return self._rates
 
     def new_result(self, command: str) -> BenchResult:
         machine = machine_info(self.device)
+        machine["matmul_size"] = self.matmul_size
+        machine["matmul_gflops"] = self.rates
         result = BenchResult(
             command=command,
             machine=machine,
@@ -321,19 +383,23 @@ class Harness:
             inputs = tuple(t.to(self.device) for t in spec.inputs())
         except Exception as error:
             return ModelResult(spec.name, [], error=f"could not build it: {_failure(error)}")
-        result = ModelResult(spec.name, [list(t.shape) for t in inputs])
+        result = ModelResult(spec.name, [list(t.shape) for t in inputs], flops=count_flops(model, inputs))
+        low_skipped = self._low_precision_skipped()
         runners: dict[str, Runner] = {}
         reference: Any = None
         with tempfile.TemporaryDirectory(prefix="graphopt-bench-") as workdir:
             setup = Setup(model, inputs, self.device, self.low_precision, Path(workdir))
             for variant in self.variants:
-                outcome = VariantResult(variant.key, variant.label, variant.role)
+                outcome = VariantResult(variant.key, variant.label, variant.role, class_default=variant.class_default)
                 result.variants.append(outcome)
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     outcome.status, outcome.reason = "skipped", f"time budget of {self.time_budget_s:.0f} s spent"
                     continue
                 if variant.role != "baseline" and reference is None:
                     outcome.status, outcome.reason = "skipped", "eager fp32 did not run: nothing to compare with"
+                    continue
+                if variant.precision == "low" and low_skipped:
+                    outcome.status, outcome.reason = "skipped", low_skipped
                     continue
                 output = self._prepare(variant, setup, outcome, runners)
                 if outcome.status == "ok":
@@ -345,6 +411,18 @@ class Harness:
                 self._time(runners, result)
         torch.compiler.reset()  # the next model starts with empty compile caches
         return result
+
+    def _low_precision_skipped(self) -> str | None:
+        """Why the low-precision variants are not run, or None: they are skipped where the low dtype's matrix
+        products run slower than fp32's (no native support: timing them would take hours and say nothing)."""
+        rates = self.rates
+        low, fp32 = rates.get(self.low_precision), rates.get("fp32")
+        if low is None or fp32 is None or low >= fp32:
+            return None
+        return (
+            f"{self.low_precision} matrix products run at {low:.1f} GFLOP/s here, {fp32 / low:.0f}x slower than fp32's "
+            f"{fp32:.0f} (no native {self.low_precision} on this {self.device.type}): low-precision variants are not timed"
+        )
 
     def _prepare(self, variant: Variant, setup: Setup, outcome: VariantResult, runners: dict[str, Runner]) -> Any:
         """Build the variant and make its first and warm-up calls; record setup time and memory; return its output."""

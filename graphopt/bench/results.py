@@ -3,6 +3,13 @@
 Ratios are computed per round (eager fp32's time in that round / the variant's time in
 the same round) and the median of those is reported: a round is a few consecutive
 calls, so a burst of foreign load slows numerator and denominator alike.
+
+Precision classes: a variant whose output error against eager fp32 is at most
+`EXACT_CLASS_ERROR` is in the ``exact`` class (fp32 arithmetic in another order), any
+other in the ``low`` class (bf16/fp16 somewhere). Each class is judged on its own: its
+best peer against graphopt's public default for it (the default call; ``precision=``),
+and each variant's achieved FLOP/s against the machine's matrix-multiply rate in the
+class's precision (the roofline fraction).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 FOREIGN_CPU_WARNING = 0.25  # cores kept busy by other processes while timing, on average
+EXACT_CLASS_ERROR = 1e-4  # a larger max error (relative to the output's scale) puts a variant in the low-precision class
+CLASSES = ("exact", "low")
 
 
 @dataclass
@@ -31,6 +40,14 @@ class VariantResult:
     max_error: float | None = None  # max |out - eager fp32| / max |eager fp32| over all outputs
     samples_ms: list[float] = field(default_factory=list)  # one per round
     round_ratios: list[float] = field(default_factory=list)  # eager fp32 / this variant, per round
+    class_default: str | None = None  # the precision class this variant is graphopt's public default for
+
+    @property
+    def precision_class(self) -> str | None:
+        """``exact`` or ``low`` from the measured error (None: no output to measure)."""
+        if self.max_error is None:
+            return None
+        return "exact" if self.max_error <= EXACT_CLASS_ERROR else "low"
 
     @property
     def median_ms(self) -> float | None:
@@ -41,8 +58,15 @@ class VariantResult:
         """Speed-up over eager fp32: the median of the per-round ratios (higher is faster)."""
         return statistics.median(self.round_ratios) if self.round_ratios else None
 
+    def gflops(self, flops: float | None) -> float | None:
+        """Achieved GFLOP/s at the median latency, for a model of ``flops`` per call."""
+        median = self.median_ms
+        return None if flops is None or not median else flops / (median / 1e3) / 1e9
+
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "median_ms": self.median_ms, "ratio_vs_eager": self.ratio}
+        return {
+            **dataclasses.asdict(self), "median_ms": self.median_ms, "ratio_vs_eager": self.ratio, "precision_class": self.precision_class,
+        }  # fmt: skip
 
 
 @dataclass
@@ -51,21 +75,27 @@ class ModelResult:
 
     name: str
     input_shapes: list[list[int]]
+    flops: float | None = None  # floating-point operations of one eager call (None: not counted)
     variants: list[VariantResult] = field(default_factory=list)
     error: str | None = None  # the model could not be built or run eagerly
     foreign_cpu: float | None = None  # cores other processes kept busy while timing (None: unknown)
     warnings: list[str] = field(default_factory=list)
 
-    def timed(self, role: str) -> list[VariantResult]:
-        return [v for v in self.variants if v.role == role and v.samples_ms]
+    def timed(self, role: str, precision_class: str | None = None) -> list[VariantResult]:
+        """The variants of ``role`` that were timed (of ``precision_class`` only, when given)."""
+        return [v for v in self.variants if v.role == role and v.samples_ms and precision_class in (None, v.precision_class)]
 
-    def fastest(self, role: str) -> VariantResult | None:
-        candidates = self.timed(role)
+    def fastest(self, role: str, precision_class: str | None = None) -> VariantResult | None:
+        candidates = self.timed(role, precision_class)
         return min(candidates, key=lambda v: v.median_ms or 0.0) if candidates else None
 
-    def graphopt_vs(self, peer: VariantResult | None) -> float | None:
-        """``peer``'s time / the fastest graphopt variant's time, median over rounds (>1: graphopt wins)."""
-        ours = self.fastest("graphopt")
+    def class_default(self, precision_class: str) -> VariantResult | None:
+        """graphopt's public default for ``precision_class``, when it ran (and landed in that class)."""
+        return next((v for v in self.timed("graphopt", precision_class) if v.class_default == precision_class), None)
+
+    def graphopt_vs(self, peer: VariantResult | None, ours: VariantResult | None = None) -> float | None:
+        """``peer``'s time / ``ours``'s (default: the fastest graphopt variant), median over rounds (>1: graphopt wins)."""
+        ours = ours or self.fastest("graphopt")
         if peer is None or ours is None or not peer.samples_ms:
             return None
         return statistics.median(p / g for p, g in zip(peer.samples_ms, ours.samples_ms, strict=True))
@@ -79,11 +109,35 @@ class ModelResult:
         """Per peer key: its time / the fastest graphopt variant's time (None: the peer did not run)."""
         return {v.key: self.graphopt_vs(v) for v in self.variants if v.role == "peer"}
 
-    def to_dict(self) -> dict[str, Any]:
+    def class_summary(self, precision_class: str, rates: dict[str, float], low_precision: str) -> dict[str, Any] | None:
+        """One precision class: its best peer, graphopt's default and fastest variant, their ratios and roofline fractions."""
+        peer, default, fastest = self.fastest("peer", precision_class), self.class_default(precision_class), self.fastest("graphopt", precision_class)
+        if peer is None and fastest is None:
+            return None
+        rate = rates.get("fp32" if precision_class == "exact" else low_precision)
+
+        def roofline(variant: VariantResult | None) -> float | None:
+            gflops = variant.gflops(self.flops) if variant is not None else None
+            return None if gflops is None or not rate else gflops / rate
+
+        return {
+            "best_peer": peer.key if peer else None,
+            "graphopt_default": default.key if default else None,
+            "default_vs_best_peer": self.graphopt_vs(peer, default) if default else None,
+            "fastest_graphopt": fastest.key if fastest else None,
+            "fastest_vs_best_peer": self.graphopt_vs(peer, fastest) if fastest else None,
+            "roofline_best_peer": roofline(peer),
+            "roofline_default": roofline(default),
+            "roofline_fastest": roofline(fastest),
+        }
+
+    def to_dict(self, rates: dict[str, float] | None = None, low_precision: str = "bf16") -> dict[str, Any]:
         peer, ours = self.fastest("peer"), self.fastest("graphopt")
         return {
             "name": self.name,
             "input_shapes": self.input_shapes,
+            "flops": self.flops,
+            "classes": {c: self.class_summary(c, rates or {}, low_precision) for c in CLASSES},
             "error": self.error,
             "foreign_cpu": self.foreign_cpu,
             "warnings": self.warnings,
@@ -116,8 +170,17 @@ class BenchResult:
             "settings": self.settings,
             "memory_method": self.memory_method,
             "warnings": self.all_warnings(),
-            "models": [model.to_dict() for model in self.models],
+            "models": [model.to_dict(self.rates, self.low_precision) for model in self.models],
         }
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """The machine's measured matrix-multiply rate per precision, in GFLOP/s."""
+        return dict(self.machine.get("matmul_gflops") or {})
+
+    @property
+    def low_precision(self) -> str:
+        return str(self.settings.get("low_precision", "bf16"))
 
 
 def _number(value: float | None, form: str, suffix: str = "") -> str:
@@ -138,6 +201,11 @@ def to_markdown(result: BenchResult) -> str:
         "(higher is faster).",
         "",
     ]
+    rates = result.rates
+    if rates:
+        measured = ", ".join(f"{name} {gflops:.0f} GFLOP/s" for name, gflops in rates.items())
+        size = machine.get("matmul_size")
+        lines += [f"Matrix-multiply rate on these threads ({size}x{size} torch.mm): {measured}.", ""]
     lines += [f"> **warning:** {warning}" for warning in result.all_warnings()]
     summary = [model for model in result.models if model.error is None]
     if summary:
@@ -147,6 +215,7 @@ def to_markdown(result: BenchResult) -> str:
             lines.append(
                 f"| {model.name} | {_best(peer)} | {_best(ours)} | {_number(model.graphopt_vs_best_peer, '.2f', 'x')} |"
             )
+    lines += _class_table(summary, rates, result.low_precision)
     lines += _each_peer_table(summary)
     for model in result.models:
         shapes = ", ".join("x".join(map(str, shape)) for shape in model.input_shapes)
@@ -155,19 +224,53 @@ def to_markdown(result: BenchResult) -> str:
             lines.append(f"not run: {model.error}")
             continue
         lines += [
-            "| variant | median latency | vs eager fp32 | optimize/compile (first call incl.) | peak memory | max error |",
-            "|---|---|---|---|---|---|",
+            "| variant | median latency | vs eager fp32 | optimize/compile (first call incl.) | peak memory | max error | class | GFLOP/s |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for v in model.variants:
             if v.status != "ok":
-                lines.append(f"| {v.label} | {v.status}: {v.reason} | | | | |")
+                lines.append(f"| {v.label} | {v.status}: {v.reason} | | | | | | |")
                 continue
             lines.append(
                 f"| {v.label} | {_number(v.median_ms, '.2f', ' ms')} | {_number(v.ratio, '.2f', 'x')} | "
-                f"{_number(v.setup_s, '.2f', ' s')} | {_number(v.peak_memory_mb, '.1f', ' MiB')} | {_number(v.max_error, '.1e')} |"
+                f"{_number(v.setup_s, '.2f', ' s')} | {_number(v.peak_memory_mb, '.1f', ' MiB')} | {_number(v.max_error, '.1e')} | "
+                f"{v.precision_class or '—'} | {_number(v.gflops(model.flops), '.1f')} |"
             )
     lines += ["", f"Peak memory: {result.memory_method}.", ""]
     return "\n".join(lines)
+
+
+def _class_table(models: list[ModelResult], rates: dict[str, float], low_precision: str) -> list[str]:
+    """Per model and precision class: best peer vs graphopt's public default and its fastest variant, with roofline fractions."""
+    rows = []
+    for model in models:
+        for precision_class in CLASSES:
+            summary = model.class_summary(precision_class, rates, low_precision)
+            if summary is None:
+                continue
+            labels = {v.key: v.label for v in model.variants}
+
+            def label(key: str | None) -> str:
+                return labels[key] if key else "—"
+
+            roofline = " / ".join(_number(summary[f"roofline_{which}"], ".0%") for which in ("default", "fastest", "best_peer"))
+            rows.append(
+                f"| {model.name} | {precision_class} | {label(summary['best_peer'])} | {label(summary['graphopt_default'])} | "
+                f"{_number(summary['default_vs_best_peer'], '.2f', 'x')} | {label(summary['fastest_graphopt'])} | "
+                f"{_number(summary['fastest_vs_best_peer'], '.2f', 'x')} | {roofline} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        f"Per precision class (exact: max error <= {EXACT_CLASS_ERROR:.0e} of the output's scale; low: above), best peer time / "
+        "graphopt time, median of per-round ratios (> 1: graphopt is faster); roofline: achieved FLOP/s / the matrix-multiply "
+        "rate of the class's precision, for graphopt's default / graphopt's fastest / the best peer:",
+        "",
+        "| model | class | best peer | graphopt default | default vs best peer | fastest graphopt | fastest vs best peer | roofline |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def _each_peer_table(models: list[ModelResult]) -> list[str]:

@@ -35,11 +35,12 @@ class Settings:
     exclude: tuple[str, ...] = ()
     time_budget_s: float | None = None
     output_dir: Path = Path("bench-results")
+    matmul_size: int = 2048  # the square matrix product that measures the machine's rate (roofline)
 
     @classmethod
     def quick(cls) -> Settings:
         """The --quick smoke run's settings: checks the harness works, measures nothing worth reading."""
-        return cls(batch=2, rounds=2, warmup=1)
+        return cls(batch=2, rounds=2, warmup=1, matmul_size=256)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,6 +101,7 @@ def run_suite(
         low_precision=low_precision,
         time_budget_s=settings.time_budget_s,
         measure=measure,
+        matmul_size=settings.matmul_size,
         log=log,
     )
     log(f"graphopt bench: {len(models)} model(s) x {len(chosen)} variant(s) on {device}, {settings.rounds} interleaved rounds")

@@ -8,7 +8,10 @@ rounds under ``torch.inference_mode()``.
 
 Roles: ``baseline`` (eager fp32, what every ratio divides), ``graphopt`` (graphopt's
 public API: ``graphopt.optimize`` presets and ``graphopt.export_onnx`` run by
-onnxruntime) and ``peer`` (everything graphopt has to beat). A builder that cannot run
+onnxruntime) and ``peer`` (everything graphopt has to beat). ``class_default`` marks the
+graphopt variant a user gets without choosing anything for a precision class: the
+default call (``exact``) and ``precision="bf16"``/``"fp16"`` (``low``); the results
+compare these with the best peer of the class (`graphopt.bench.results`). A builder that cannot run
 here raises `VariantSkipped` with the reason; any other exception marks the variant as
 failed with its message. The shared ``setup.model`` must never be modified: builders
 that change weights or layout work on a copy.
@@ -69,6 +72,8 @@ class Variant:
     label: str
     role: str  # "baseline", "graphopt" or "peer"
     build: Callable[[Setup], Runner]
+    class_default: str | None = None  # "exact" or "low": graphopt's public default for that precision class
+    precision: str = "fp32"  # "fp32", "low" (computes in the run's low precision) or "auto" (chooses by itself)
 
 
 def _channels_last(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -100,12 +105,18 @@ def _eager(*, channels_last: bool = False, autocast: bool = False) -> Callable[[
     return build
 
 
-def _torch_compile(*, channels_last: bool = False, autocast: bool = False) -> Callable[[Setup], Runner]:
+def _torch_compile(*, channels_last: bool = False, autocast: bool = False, freezing: bool = False) -> Callable[[Setup], Runner]:
+    """torch.compile (Inductor); ``freezing``: Inductor's recommended CPU inference setting (weights folded in as
+    constants, conv-BN folded, oneDNN weights prepacked, post-ops fused). The option goes in as the compiled
+    function's own backend option: a process-wide ``config.patch`` would let Dynamo reuse another variant's
+    compiled code for the same model."""
+
     def build(setup: Setup) -> Runner:
         model, inputs = setup.model, setup.inputs
         if channels_last:
             model, inputs = copy.deepcopy(model).to(memory_format=torch.channels_last), _channels_last(inputs)
-        return _call(torch.compile(model), inputs, setup, autocast)
+        compiled = torch.compile(model, options={"freezing": True}) if freezing else torch.compile(model)
+        return _call(compiled, inputs, setup, autocast)
 
     return build
 
@@ -181,8 +192,40 @@ def _onnxruntime(*, graphopt_export: bool) -> Callable[[Setup], Runner]:
     return build
 
 
-def _graphopt_variant(key: str, label: str, **options: Any) -> Variant:
-    return Variant(key, label, "graphopt", _graphopt(**options))
+def _openvino(*, precision: str | None) -> Callable[[Setup], Runner]:
+    """OpenVINO's CPU plugin on the model converted by ``openvino.convert_model``, with the latency hint on the
+    torch variants' threads. ``precision=None``: the plugin's default, bf16 on CPUs with native bf16 (AVX-512
+    BF16, AMX), else f32; ``"f32"``: float32 throughout."""
+
+    def build(setup: Setup) -> Runner:
+        if setup.device.type != "cpu":
+            raise VariantSkipped("the OpenVINO variants run on CPU only")
+        try:
+            import openvino
+        except ImportError as error:
+            raise VariantSkipped("openvino is not installed (pip install 'graphopt[bench]')") from error
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            converted = openvino.convert_model(copy.deepcopy(setup.model), example_input=setup.inputs)
+        config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+        if precision is not None:
+            config["INFERENCE_PRECISION_HINT"] = precision
+        compiled = openvino.Core().compile_model(converted, "CPU", config)
+        request = compiled.create_infer_request()
+        feeds = {index: tensor.numpy() for index, tensor in enumerate(setup.inputs)}
+        return lambda: tuple(request.infer(feeds).values())
+
+    return build
+
+
+def _graphopt_variant(key: str, label: str, class_default: str | None = None, **options: Any) -> Variant:
+    precision = "auto" if options.get("tune") else "low" if options.get("precision") == "low" else "fp32"
+    return Variant(key, label, "graphopt", _graphopt(**options), class_default, precision)
+
+
+def _low(key: str, label: str, build: Callable[[Setup], Runner]) -> Variant:
+    """A peer that computes in the run's low precision."""
+    return Variant(key, label, "peer", build, precision="low")
 
 
 def variants(low_precision: str = "bf16") -> list[Variant]:
@@ -191,8 +234,10 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
     return [
         Variant("eager", "eager fp32", "baseline", _eager()),
         Variant("eager-cl", "eager fp32 + CL", "peer", _eager(channels_last=True)),
-        Variant("eager-amp", f"eager {low} autocast", "peer", _eager(autocast=True)),
-        Variant("eager-amp-cl", f"eager {low} autocast + CL", "peer", _eager(channels_last=True, autocast=True)),
+        _low("eager-amp", f"eager {low} autocast", _eager(autocast=True)),
+        _low("eager-amp-cl", f"eager {low} autocast + CL", _eager(channels_last=True, autocast=True)),
+        _graphopt_variant("graphopt-default", "graphopt default call", "exact"),
+        _graphopt_variant("graphopt-low", f'graphopt precision="{low}"', "low", precision="low"),
         _graphopt_variant("graphopt", "graphopt fp32", memory_format="preserve"),
         _graphopt_variant("graphopt-cl", "graphopt fp32 + CL", memory_format="channels_last"),
         _graphopt_variant("graphopt-low-cl", f"graphopt {low} + CL", memory_format="channels_last", precision="low"),
@@ -209,11 +254,15 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         ),
         _graphopt_variant("graphopt-tune", "graphopt tuned (accuracy 3e-2)", tune=True, accuracy=3e-2),
         Variant("compile", "torch.compile fp32", "peer", _torch_compile()),
-        Variant("compile-amp-cl", f"torch.compile {low} autocast + CL", "peer", _torch_compile(channels_last=True, autocast=True)),
+        _low("compile-amp-cl", f"torch.compile {low} autocast + CL", _torch_compile(channels_last=True, autocast=True)),
+        Variant("compile-freeze-cl", "torch.compile freezing fp32 + CL", "peer", _torch_compile(channels_last=True, freezing=True)),
+        _low("compile-freeze-amp-cl", f"torch.compile freezing {low} autocast + CL", _torch_compile(channels_last=True, autocast=True, freezing=True)),
         Variant("fx-ofi", "fx optimize_for_inference", "peer", _fx_optimize_for_inference),
         Variant("jit-freeze", "jit freeze + optimize_for_inference", "peer", _jit_freeze),
         Variant("ort-graphopt", "onnxruntime fp32 (graphopt export)", "graphopt", _onnxruntime(graphopt_export=True)),
         Variant("ort-plain", "onnxruntime fp32 (plain export)", "peer", _onnxruntime(graphopt_export=False)),
+        Variant("openvino", "OpenVINO (default precision)", "peer", _openvino(precision=None), precision="auto"),
+        Variant("openvino-f32", "OpenVINO f32", "peer", _openvino(precision="f32")),
     ]
 
 

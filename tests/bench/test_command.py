@@ -33,6 +33,7 @@ def test_quick_run_writes_json_markdown_and_prints_the_table(tmp_path: Path, cap
     )
     assert data["settings"]["rounds"] == 2 and data["settings"]["variants"] == ["eager", "eager-cl", "graphopt"]
     assert data["machine"]["cpu"] and data["machine"]["torch_threads"] >= 1
+    assert data["machine"]["matmul_size"] == 256 and data["machine"]["matmul_gflops"]["fp32"] > 0  # --quick: a small product
     (model,) = data["models"]
     assert model["name"] == "transformer" and model["input_shapes"] == [[2, 3, 32, 32]] and model["error"] is None
     assert [v["key"] for v in model["variants"]] == ["eager", "eager-cl", "graphopt"]
@@ -45,15 +46,21 @@ def test_quick_run_writes_json_markdown_and_prints_the_table(tmp_path: Path, cap
     assert model["best_peer"] == "eager-cl" and model["best_graphopt"] == "graphopt"
     assert model["graphopt_vs_best_peer"] > 0
     assert model["graphopt_vs_each_peer"] == {"eager-cl": model["graphopt_vs_best_peer"]}
+    assert model["flops"] > 0 and model["classes"]["low"] is None
+    exact = model["classes"]["exact"]
+    assert (exact["best_peer"], exact["fastest_graphopt"], exact["graphopt_default"]) == ("eager-cl", "graphopt", None)
+    assert 0 < exact["roofline_fastest"] and exact["roofline_default"] is None
 
     markdown = (tmp_path / "bench.md").read_text()
     assert "Command: `graphopt bench --models transformer" in markdown
     assert "| transformer | eager fp32 + CL (" in markdown  # the summary: best peer, best graphopt, ratio
+    assert "Matrix-multiply rate on these threads (256x256 torch.mm): fp32 " in markdown
+    assert "| transformer | exact | eager fp32 + CL | — | — | graphopt fp32 | " in markdown  # per precision class
     assert "### transformer (input 2x3x32x32)" in markdown
     assert "| model | fastest graphopt | eager fp32 + CL |" in markdown  # graphopt vs each peer
     assert f"| transformer | graphopt fp32 | {model['graphopt_vs_each_peer']['eager-cl']:.2f}x |" in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| eager fp32 |") or line.startswith("| graphopt fp32 |")]
-    assert len(rows) == 2 and all(row.count("|") == 7 and " ms | " in row and " MiB | " in row for row in rows)
+    assert len(rows) == 2 and all(row.count("|") == 9 and " ms | " in row and " MiB | " in row and " | exact | " in row for row in rows)
     assert "Peak memory: growth of the process's resident memory" in markdown
     assert markdown.strip() in out  # the same table is printed
 
@@ -81,13 +88,15 @@ def test_failures_are_recorded_in_the_files(tmp_path: Path, capsys: pytest.Captu
         raise RuntimeError("graphopt broke")
 
     monkeypatch.setattr(graphopt, "optimize", broken_optimize)
-    code, out, _ = bench(capsys, "--quick", "--variants", "graphopt*", "--exclude", "*fuse,*graph,*tune,*onednn", "--output-dir", str(tmp_path))
+    # the low-precision variants are left out: on a CPU without native bf16 they are skipped before building
+    excluded = "*fuse,*graph,*tune,*onednn,*low*"
+    code, out, _ = bench(capsys, "--quick", "--variants", "graphopt*", "--exclude", excluded, "--output-dir", str(tmp_path))
     assert code == 0
     variants = json.loads((tmp_path / "bench.json").read_text())["models"][0]["variants"]
     assert [(v["key"], v["status"], v["reason"]) for v in variants[1:]] == [
+        ("graphopt-default", "failed", "RuntimeError: graphopt broke"),
         ("graphopt", "failed", "RuntimeError: graphopt broke"),
         ("graphopt-cl", "failed", "RuntimeError: graphopt broke"),
-        ("graphopt-low-cl", "failed", "RuntimeError: graphopt broke"),
     ]
     assert "| graphopt fp32 | failed: RuntimeError: graphopt broke |" in (tmp_path / "bench.md").read_text()
 

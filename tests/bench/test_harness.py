@@ -29,8 +29,8 @@ def tiny_model() -> nn.Module:
 TINY = BenchModel("tiny", tiny_model, lambda: (torch.randn(2, 3, 8, 8),))
 
 
-def stub(key: str, log: list[str], role: str = "peer", scale: float = 1.0) -> Variant:
-    """A variant whose runner logs its key and returns eager's output times ``scale``."""
+def stub(key: str, log: list[str], role: str = "peer", scale: float = 1.0, **fields: Any) -> Variant:
+    """A variant whose runner logs its key and returns eager's output times ``scale``; ``fields``: e.g. precision="low"."""
 
     def build(setup: Setup) -> Runner:
         def run() -> torch.Tensor:
@@ -39,7 +39,7 @@ def stub(key: str, log: list[str], role: str = "peer", scale: float = 1.0) -> Va
 
         return run
 
-    return Variant(key, f"variant {key}", role, build)
+    return Variant(key, f"variant {key}", role, build, **fields)
 
 
 class ScriptedClock:
@@ -63,10 +63,22 @@ def unit_clock(run: Runner) -> float:
 
 
 REAL_FOREIGN_CPU = harness._ForeignCpu
+REAL_MATMUL_GFLOPS = harness.matmul_gflops
 
 
 def quiet_harness(variants: list[Variant], **options: Any) -> Harness:
     return Harness(variants, log=lambda message: None, **options)
+
+
+RATES = {"fp32": 100.0, "bf16": 200.0}  # GFLOP/s
+
+
+@pytest.fixture(autouse=True)
+def fixed_matmul_rates(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """The machine's matrix-multiply rates, as a run measures them first: fixed here (a test may change them)."""
+    rates = dict(RATES)
+    monkeypatch.setattr(harness, "matmul_gflops", lambda dtype, size, device: rates["fp32" if dtype == torch.float32 else "bf16"])
+    return rates
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +111,68 @@ def test_rounds_are_interleaved_and_ratios_are_per_round() -> None:
     assert result.fastest("peer") is c
     assert result.graphopt_vs_best_peer == pytest.approx(2.0)  # c / b per round: 8, 0.67, 2 -> median 2
     assert result.graphopt_vs_each_peer() == {"c": pytest.approx(2.0)}
+
+
+def test_precision_classes_compare_graphopt_defaults_with_the_best_peer_of_each_class() -> None:
+    log: list[str] = []
+    clock = ScriptedClock(
+        {"eager": [4.0, 4.0, 4.0], "ort": [2.0, 2.0, 2.0], "amp": [1.0, 2.0, 1.0], "default": [1.0, 1.0, 4.0], "fast": [0.5, 0.5, 0.5], "low": [2.0, 0.5, 1.0]},
+        log,
+    )
+    variants = [
+        stub("eager", log, role="baseline"),
+        stub("ort", log, scale=1 + 1e-6),  # fp32 in another order: exact
+        stub("amp", log, scale=1 + 1e-2),  # bf16: low
+        stub("default", log, role="graphopt", class_default="exact"),
+        stub("fast", log, role="graphopt"),
+        stub("low", log, role="graphopt", scale=1 - 5e-3, class_default="low"),
+    ]
+    run = quiet_harness(variants, rounds=3, warmup=0, measure=clock)
+    result = run.run_model(TINY)
+    assert [v.precision_class for v in result.variants] == ["exact", "exact", "low", "exact", "exact", "low"]
+    flops = 2 * (2 * 4 * 6 * 6) * (3 * 3 * 3)  # the conv's multiply-adds, two operations each
+    assert result.flops == flops
+
+    exact = result.class_summary("exact", RATES, "bf16")
+    assert (exact["best_peer"], exact["graphopt_default"], exact["fastest_graphopt"]) == ("ort", "default", "fast")
+    assert exact["default_vs_best_peer"] == pytest.approx(2.0)  # ort / default per round: 2, 2, 0.5
+    assert exact["fastest_vs_best_peer"] == pytest.approx(4.0)
+    assert exact["roofline_best_peer"] == pytest.approx(flops / 2.0 / 1e9 / RATES["fp32"])  # median 2 s
+    low = result.class_summary("low", RATES, "bf16")
+    assert (low["best_peer"], low["graphopt_default"]) == ("amp", "low")
+    assert low["default_vs_best_peer"] == pytest.approx(1.0)  # amp / low per round: 0.5, 4, 1
+    assert low["roofline_default"] == pytest.approx(flops / 1.0 / 1e9 / RATES["bf16"])
+
+    data = result.to_dict(RATES, "bf16")
+    assert data["flops"] == flops and data["classes"]["exact"] == exact and data["classes"]["low"] == low
+    assert {v["key"]: v["precision_class"] for v in data["variants"]}["amp"] == "low"
+
+
+def test_low_precision_variants_are_skipped_where_the_low_dtype_is_slower_than_fp32(fixed_matmul_rates: dict[str, float]) -> None:
+    fixed_matmul_rates["bf16"] = 2.0
+    log: list[str] = []
+    variants = [stub("eager", log, role="baseline"), stub("amp", log, precision="low"), stub("tune", log, role="graphopt", precision="auto")]
+    run = quiet_harness(variants, rounds=2, warmup=0, measure=unit_clock)
+    result = run.run_model(TINY)
+    eager, amp, tune = result.variants
+    assert (eager.status, amp.status, tune.status) == ("ok", "skipped", "ok")
+    assert amp.reason == (
+        "bf16 matrix products run at 2.0 GFLOP/s here, 50x slower than fp32's 100 (no native bf16 on this cpu): low-precision variants are not timed"
+    )
+    assert "amp" not in log
+    assert run.new_result("test").machine["matmul_gflops"] == {"fp32": 100.0, "bf16": 2.0}
+
+
+def test_the_matmul_rate_and_the_flop_count_are_measured() -> None:
+    assert REAL_MATMUL_GFLOPS(torch.float32, 64, torch.device("cpu"), budget_s=0.01) > 0
+    assert harness.count_flops(nn.Linear(4, 3), (torch.randn(2, 4),)) == 2 * 2 * 4 * 3
+
+    class Untraceable(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("no")
+
+    assert harness.count_flops(Untraceable(), (torch.randn(2),)) is None
+    assert harness.count_flops(nn.ReLU(), (torch.randn(2),)) is None  # nothing counted: no roofline figure
 
 
 def test_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians() -> None:
