@@ -26,9 +26,10 @@ from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchErr
 from graphopt.inputs import InputSignature, argument_names
 from graphopt.passes import MODES, Mode, PassContext
 from graphopt.pipeline import Verifier, run_verified, select_passes
-from graphopt.precision import PRECISIONS, check_precision, precision_policy, runs_on
+from graphopt.precision import PRECISIONS, check_precision, emulated_on_cpu, precision_policy, runs_on
 from graphopt.progress import shown as show_progress
 from graphopt.runtime import OptimizedModule, prepacked_modules, updates_state
+from graphopt.runtime.portable import to_aten
 from graphopt.report import Report
 from graphopt.side_effects import preserved_user_objects, side_effects_message, watch_side_effects
 from graphopt.validate import SecondInputs, check_inputs, check_model, positional_inputs, reference_run
@@ -56,7 +57,8 @@ def _unwrap(model: nn.Module, mode: str | None) -> nn.Module:
                 "this module was optimized for inference (BatchNorm folded, dropout removed): it cannot be optimized "
                 "for training. Optimize the original model with mode='training'."
             )
-        return model.graph_module
+        # oneDNN kernels with prepacked weights cannot be captured: ATen's ops, which they compute, can
+        return to_aten(model.graph_module) if prepacked_modules(model.graph_module) else model.graph_module
     return model
 
 
@@ -125,8 +127,11 @@ def optimize(
         verify: compare outputs with the original after every pass (dtype-aware
             tolerance); a mismatch raises `VerificationError`.
         memory_format: ``"auto"`` (channels_last only if it measures faster on the
-            example inputs), ``"channels_last"`` (always, for models with 2-D/3-D convs)
-            or ``"preserve"`` (keep the model's layout).
+            example inputs; for CPU inference, oneDNN's fused kernels with prepacked weights
+            (`use_onednn_kernels`) are tried next and kept only if they measure faster too),
+            ``"channels_last"`` (always, for models with 2-D/3-D convs) or ``"preserve"``
+            (keep the model's layout); with these two the oneDNN kernels are opt-in
+            (``passes=``).
         keep_channels_last_outputs: leave 4-D outputs in channels_last instead of
             converting them back to the contiguous layout the model returned.
         precision: ``"fp32"`` (no change), ``"bf16"`` or ``"fp16"``: run conv, linear,
@@ -177,7 +182,15 @@ def optimize(
             raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
         if memory_format not in MEMORY_FORMATS:
             raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
-        infos = select_passes(resolved_mode, passes, disable, preserve_layout=memory_format == "preserve", low_precision=low_dtype is not None, fuse=fuse)
+        infos = select_passes(
+            resolved_mode,
+            passes,
+            disable,
+            preserve_layout=memory_format == "preserve",
+            low_precision=low_dtype is not None,
+            fuse=fuse,
+            measure=memory_format == "auto",
+        )
         check_frontend(frontend)  # every option is checked before the costly steps below
         dynamic_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
         strict = _check_verify(verify)
@@ -334,6 +347,7 @@ def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed:
     if not (isinstance(budget_s, (int, float)) and budget_s > 0):
         raise InvalidOptionError(f"tune_budget_s={budget_s!r}: give a number of seconds, e.g. 60")
     low_precisions = [name for name in ("bf16", "fp16") if runs_on(name, model)]
+    emulated = {name: reason for name in low_precisions if (reason := emulated_on_cpu(name, model))}
     args = check_inputs(model, example_inputs)
 
     def build(**options: Any) -> OptimizedModule:
@@ -343,7 +357,16 @@ def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed:
     settings = {**common, "mode": resolved_mode, "budget_s": budget_s}  # a model in train mode is tuned apart from eval
     onednn = resolved_mode == "inference" and device_types(model) == {"cpu"} and torch.backends.mkldnn.is_available()
     return tuning.tune(
-        build, model, args, fixed=fixed, accuracy=float(accuracy), budget_s=float(budget_s), low_precisions=low_precisions, settings=settings, onednn=onednn
+        build,
+        model,
+        args,
+        fixed=fixed,
+        accuracy=float(accuracy),
+        budget_s=float(budget_s),
+        low_precisions=low_precisions,
+        settings=settings,
+        onednn=onednn,
+        emulated=emulated,
     )
 
 

@@ -23,9 +23,9 @@ from graphopt.backends.onnx_export import ExportReport, write_checked
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError
 from graphopt.inputs import argument_names
-from graphopt.passes.use_onednn_linear import fused_linears, restore_aten_linears
 from graphopt.pipeline import onnx_left_out, onnx_refused
-from graphopt.runtime import OptimizedModule, prepacked_modules
+from graphopt.runtime import OptimizedModule
+from graphopt.runtime.portable import runs_onednn_kernels, to_aten
 from graphopt.validate import check_inputs, check_model
 
 
@@ -76,14 +76,6 @@ def export_onnx(
         raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
     if isinstance(model, OptimizedModule) and model.graphopt_report.mode != "inference":
         raise ExportError("this module was optimized for training: ONNX export is for inference, optimize it with mode='inference'")
-    if prepacked_modules(model):
-        raise ExportError(
-            f"this module runs oneDNN kernels with prepacked weights ({', '.join(prepacked_modules(model)[:3])}, ...), which ONNX "
-            f"cannot express: export the original model, or one optimized with graphopt.optimize(..., disable={onnx_refused()})"
-        )
-    if isinstance(model, OptimizedModule) and fused_linears(model.graph_module):
-        model = copy.deepcopy(model)  # ONNX has no fused oneDNN linears: export ATen's ops, which they compute
-        restore_aten_linears(model.graph_module)
     refused = [name for name in onnx_refused() if name in (optimize_options.get("passes") or ())]
     if optimize and refused:
         raise ExportError(f"passes= asks for {', '.join(refused)}, whose kernels ONNX cannot express: leave it out")
@@ -99,6 +91,8 @@ def export_onnx(
         exported, report, signature = optimized.graph_module, optimized.graphopt_report, optimized.input_signature
     elif isinstance(model, OptimizedModule):
         exported, report, signature = model.graph_module, model.graphopt_report, model.input_signature
+        if runs_onednn_kernels(exported):
+            exported = to_aten(exported)  # ONNX has no oneDNN kernels: export ATen's ops, which they compute
     else:
         exported, report, signature = model, None, None
     dims = signature.dims() if signature is not None else request.dims

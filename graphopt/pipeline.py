@@ -38,9 +38,10 @@ from graphopt.timing import compare_latency
 MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
 
-def preset(mode: Mode) -> tuple[str, ...]:
-    """The passes ``mode`` runs by default, in registry order."""
-    return tuple(name for name, info in REGISTRY.items() if mode in info.presets)
+def preset(mode: Mode, measure: bool = True) -> tuple[str, ...]:
+    """The passes ``mode`` runs by default, in registry order; without ``measure`` (memory_format other than
+    "auto") the `preset_only_measured` ones are left out."""
+    return tuple(name for name, info in REGISTRY.items() if mode in info.presets and (measure or not info.preset_only_measured))
 
 
 PRESETS: dict[Mode, tuple[str, ...]] = {mode: preset(mode) for mode in MODES}
@@ -89,11 +90,19 @@ def resolve_passes(mode: Mode, passes: Sequence[str] | None, disable: Iterable[s
 
 
 def select_passes(
-    mode: Mode, passes: Sequence[str] | None, disable: Iterable[str], *, preserve_layout: bool, low_precision: bool, fuse: str | None
+    mode: Mode,
+    passes: Sequence[str] | None,
+    disable: Iterable[str],
+    *,
+    preserve_layout: bool,
+    low_precision: bool,
+    fuse: str | None,
+    measure: bool = True,
 ) -> list[PassInfo]:
     """The passes an ``optimize`` call runs: the preset (or ``passes``) shaped by its memory-format, precision and fuse options.
 
-    ``preserve_layout``: memory_format="preserve" leaves out the `layout` passes; without
+    Without ``measure`` (memory_format other than "auto") the preset leaves out its
+    `preset_only_measured` passes. ``preserve_layout``: memory_format="preserve" leaves out the `layout` passes; without
     ``low_precision`` the `lowers_precision` pass is left out, with it (and no ``passes``)
     it goes in at its registry place. ``runs_last`` passes move to the end; with ``fuse``
     the ``fuse="without"`` passes are left out and, for region fusion, the
@@ -111,6 +120,8 @@ def select_passes(
             if info.name in requested:
                 raise InvalidOptionError(f"passes= asks for {info.name} but precision='fp32': pass precision='bf16' or 'fp16'")
             disabled.append(info.name)
+    if passes is None and not measure:
+        disabled += [info.name for info in REGISTRY.values() if info.preset_only_measured]
     infos = resolve_passes(mode, passes, disabled)
     if passes is None and low_precision:
         infos = [info for info in REGISTRY.values() if info in infos or (info.lowers_precision and info.name not in disabled)]

@@ -63,6 +63,20 @@ def precision_policy(low_precision_ops: Iterable[str] | None, fp32_ops: Iterable
     return low, kept
 
 
+def emulated_on_cpu(precision: str, model: nn.Module) -> str | None:
+    """Why ``precision`` is emulated (far slower than fp32) on this CPU for ``model``, or None.
+
+    bf16 runs natively on CPUs with AVX-512 BF16 or AMX, which oneDNN reports as bf16
+    support; elsewhere (AVX2 CPUs such as AMD Zen 2) ATen converts to and from fp32 in
+    scalar code, and bf16 matrix products measure tens of times slower than fp32's.
+    """
+    if precision != "bf16" or device_types(model) != {"cpu"}:
+        return None
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return "this CPU has no native bf16 (no AVX-512 BF16 or AMX): bf16 is emulated, far slower than fp32"
+
+
 def runs_on(precision: str, model: nn.Module) -> bool:
     """Whether ``precision`` runs on the model's device (bf16 on CPUs with bf16 kernels, fp16 on CUDA)."""
     if precision == "fp16" and device_types(model) == {"cpu"}:

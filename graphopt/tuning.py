@@ -64,7 +64,13 @@ class Candidate:
 
 
 def candidates(
-    model: nn.Module, fixed: Mapping[str, Any], accuracy: float, low_precisions: list[str], budget_s: float, onednn: bool = False
+    model: nn.Module,
+    fixed: Mapping[str, Any],
+    accuracy: float,
+    low_precisions: list[str],
+    budget_s: float,
+    onednn: bool = False,
+    emulated: Mapping[str, str] | None = None,
 ) -> tuple[list[Candidate], list[TuneCandidate]]:
     """The candidates to build, and the ones left out with the reason.
 
@@ -74,7 +80,9 @@ def candidates(
     budget is spent, so on large models the cut drops the least promising candidates.
     ``onednn``: the model runs inference on a CPU with oneDNN, so each precision also gets
     a candidate with the CPU-kernel passes (`graphopt.pipeline.cpu_kernel_passes`: oneDNN's fused,
-    prepacked conv/linear kernels).
+    prepacked conv/linear kernels). ``emulated``: low precisions this device only emulates,
+    with the reason; they are left out (building and timing them would spend the budget on
+    a sure loser).
     """
     has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
     layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
@@ -83,7 +91,9 @@ def candidates(
     precisions = ["fp32"]
     left_out = []
     for low in low_precisions:
-        if accuracy >= LOW_PRECISION_BOUNDS[low]:
+        if low in (emulated or {}):
+            left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=(emulated or {})[low]))
+        elif accuracy >= LOW_PRECISION_BOUNDS[low]:
             precisions.append(low)
         else:
             left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=f"{low} errors reach {LOW_PRECISION_BOUNDS[low]:.0e} of the output scale, over accuracy={accuracy:.0e}"))
@@ -162,9 +172,10 @@ def tune(
     low_precisions: list[str],
     settings: Mapping[str, Any],
     onednn: bool = False,
+    emulated: Mapping[str, str] | None = None,
 ) -> Any:
     """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
-    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn)
+    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated)
     # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
     considered = [(candidate.name, candidate.options) for candidate in todo]
     key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})

@@ -22,7 +22,7 @@ import torch
 import graphopt
 from graphopt import cli
 from graphopt.errors import GraphoptError
-from graphopt.pipeline import PRESETS
+from graphopt.pipeline import PRESETS, preset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESNET = "graphopt.models:resnet_small"
@@ -101,13 +101,13 @@ def test_optimize_prints_the_report_and_writes_json(capsys: pytest.CaptureFixtur
     assert "graphopt: error" not in err
     assert "mode: inference" in out and "frontend: fx" in out and "verify: on" in out
     rows = table_rows(out)
-    assert list(rows) == list(PRESETS["inference"])
+    assert list(rows) == list(preset("inference", measure=False))
     assert f"report written to {report_path}" in out
 
     data = json.loads(report_path.read_text())
     assert data["mode"] == "inference" and data["frontend"] == "fx"
     passes = {p["name"]: p for p in data["passes"]}
-    assert list(passes) == list(PRESETS["inference"])
+    assert list(passes) == list(preset("inference", measure=False))
     for name in ("remove_dropout", "fold_conv_bn", "to_channels_last"):
         report = passes[name]
         assert len(report["rewrites"]) > 0, name
@@ -439,7 +439,7 @@ def test_demo_rejects_a_batch_size_below_one(capsys: pytest.CaptureFixture[str],
 def test_optimize_in_bf16_adds_the_precision_pass(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--precision", "bf16", "--memory-format", "preserve")
     assert code == 0, err
-    expected = [name for name in PRESETS["inference"] if name != "to_channels_last"]
+    expected = [name for name in preset("inference", measure=False) if name != "to_channels_last"]
     expected.insert(expected.index("use_global_pool_kernel"), "use_low_precision")  # the pool kernel choice needs the final dtype
     assert list(table_rows(out)) == expected
     assert "of conv/linear/matmul FLOPs in low precision" in out

@@ -39,6 +39,12 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuning, "_memory_cache", {})
 
 
+@pytest.fixture(autouse=True)
+def native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidate lists below are those of a CPU with native bf16, on either CPU family (bf16 still runs, emulated)."""
+    monkeypatch.setattr(graphopt.api, "emulated_on_cpu", lambda precision, model: None)
+
+
 def use_timer(monkeypatch: pytest.MonkeyPatch, latencies: Mapping[str, float]) -> FakeTimer:
     timer = FakeTimer(latencies)
     monkeypatch.setattr(tuning, "measure_latencies", timer)
@@ -67,6 +73,24 @@ def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyP
     assert "2.25x the graph with no passes" in report.tune.why
     torch.testing.assert_close(tuned(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
     assert "tune: fp32 preserve (tuned in" in str(report)
+
+
+def test_an_emulated_bf16_is_left_out_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graphopt.api, "emulated_on_cpu", lambda precision, model: f"{precision} is emulated here" if precision == "bf16" else None)
+    timer = use_timer(monkeypatch, {})
+    model, inputs = resnet()
+    report = graphopt.optimize(model, inputs, tune=True, accuracy=3e-2).graphopt_report
+    assert all("bf16" not in name for name in timer.measured[0])
+    assert next(c.reason for c in report.tune.candidates if c.name == "bf16") == "bf16 is emulated here"
+
+
+def test_bf16_counts_as_emulated_exactly_where_onednn_has_no_bf16() -> None:
+    from graphopt.precision import emulated_on_cpu
+
+    reason = emulated_on_cpu("bf16", nn.Linear(2, 2))
+    assert (reason is None) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert reason is None or "no native bf16" in reason
+    assert emulated_on_cpu("fp32", nn.Linear(2, 2)) is None
 
 
 def test_a_looser_accuracy_admits_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

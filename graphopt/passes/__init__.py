@@ -49,6 +49,7 @@ class PassInfo:
     presets: tuple[Mode, ...] = ()  # the mode presets that run it by default; otherwise it is opt-in
     exact: bool = True  # changes numerics by rounding only; False: verified with the low dtype's tolerance
     measured: bool = False  # its benefit depends on model and hardware: with memory_format="auto", kept only if measured faster
+    preset_only_measured: bool = False  # in its presets only with memory_format="auto" (measured); otherwise opt-in (passes=)
     changes_state: bool = False  # rewrites stored tensors (values, shapes, dtypes or keys); see docs/writing-a-pass.md
     layout: bool = False  # changes memory formats: memory_format="preserve" leaves it out
     lowers_precision: bool = False  # runs exactly when optimize(precision=...) asks for bf16/fp16, before the layout passes
@@ -152,10 +153,15 @@ REGISTRY: dict[str, PassInfo] = {
             "use_onednn_kernels",
             use_onednn_kernels,
             ("inference",),
-            "run conv/linear (+ activation, + residual add) as oneDNN fused CPU kernels with weights prepacked once",
+            "run conv/linear (+ activation, + residual add) as oneDNN fused CPU kernels with weights prepacked once "
+            "(by default where measured faster)",
+            presets=("inference",),
+            measured=True,
+            preset_only_measured=True,
             changes_state=True,
             after_precision=True,
             cpu_kernels=True,
+            fuse="without",
             onnx="inexpressible",
         ),
         # after use_onednn_kernels: when both run, the prepacked kernels take the linears first

@@ -37,7 +37,6 @@ Preconditions, each a recorded skip reason:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -174,29 +173,3 @@ def use_onednn_linear(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if report.rewrites:
         report.notes.append(f"{len(report.rewrites)} linear(s) run by oneDNN on their stored weights, {fused} with an activation or residual add fused")
     return finish(gm, bool(report.rewrites), report)
-
-
-def fused_linears(gm: fx.GraphModule) -> list[fx.Node]:
-    """The calls this pass put in ``gm``."""
-    return [node for node in gm.graph.nodes if node.op == "call_function" and node.target in (LINEAR_POINTWISE, LINEAR_ADD)]
-
-
-def restore_aten_linears(gm: fx.GraphModule) -> None:
-    """Turn this pass's calls back into ATen's linear (+ activation, or + add), e.g. for ONNX."""
-    nodes = fused_linears(gm)
-    for node in nodes:
-        with gm.graph.inserting_before(node):
-            if node.target is LINEAR_ADD:
-                x, other, weight, bias = node.args
-                replacement = gm.graph.call_function(operator.add, (gm.graph.call_function(F.linear, (x, weight, bias)), other))
-            else:
-                x, weight, bias, attr, scalars, algorithm = node.args
-                replacement = gm.graph.call_function(F.linear, (x, weight, bias))
-                if attr != "none":
-                    function, args, kwargs = aten_post_op(attr, scalars, algorithm)
-                    replacement = gm.graph.call_function(function, (replacement, *args), kwargs)
-        replacement.meta.update(node.meta)
-        node.replace_all_uses_with(replacement)
-        gm.graph.erase_node(node)
-    if nodes:
-        gm.recompile()

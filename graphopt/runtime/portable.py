@@ -16,7 +16,9 @@ The dense weight and bias stay at the module path the kernel had (``<path>.weigh
 the state_dict keys do not change. `from_portable` turns the calls back into the kernels
 (prepacking again, for this CPU); ``graphopt::linear_add`` is exported as it is. The ops
 compute with ATen's conv/linear, add and activation, so `ATEN_DECOMPOSITIONS` lets
-``ExportedProgram.run_decompositions`` write plain ATen for AOTInductor.
+``ExportedProgram.run_decompositions`` write plain ATen for AOTInductor, and `to_aten`
+writes the graph with ATen's ops in their places (for ONNX export and for optimizing an
+optimized module again).
 """
 
 from __future__ import annotations
@@ -127,6 +129,50 @@ def to_portable(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
     portable.recompile()
     return portable
+
+
+def runs_onednn_kernels(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls oneDNN kernels that `to_aten` turns back into ATen's ops."""
+    kernels = (OneDNNConv, OneDNNLinear)
+    return any(
+        (node.op == "call_module" and isinstance(gm.get_submodule(node.target), kernels))
+        or (node.op == "call_function" and node.target in (LINEAR_POINTWISE, LINEAR_ADD))
+        for node in gm.graph.nodes
+    )
+
+
+def to_aten(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` computing each oneDNN kernel with ATen's conv/linear, add and activation, on the dense weights.
+
+    The weights keep their module paths (``<path>.weight``), so the state_dict keys do not change.
+    """
+    aten = to_portable(gm)
+    graph = aten.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in ATEN_DECOMPOSITIONS:
+            continue
+        attr, scalars, algorithm = "none", (), ""
+        with graph.inserting_before(node):
+            if node.target is LINEAR_ADD:
+                x, other, weight, bias = node.args
+                y = graph.call_function(F.linear, (x, weight, bias))
+            elif node.target is PORTABLE_LINEAR:
+                x, other, weight, bias, attr, scalars, algorithm, _ = node.args
+                y = graph.call_function(F.linear, (x, weight, bias))
+            else:
+                x, other, weight, bias, padding, stride, dilation, groups, attr, scalars, algorithm, _ = node.args
+                conv = F.conv3d if len(padding) == 3 else F.conv2d
+                y = graph.call_function(conv, (x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups))
+            if other is not None:
+                y = graph.call_function(operator.add, (y, other))
+            if attr != "none":
+                function, args, kwargs = aten_post_op(attr, scalars, algorithm)
+                y = graph.call_function(function, (y, *args), kwargs)
+        y.meta.update(node.meta)
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+    aten.recompile()
+    return aten
 
 
 def _runtime_kernel(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Any, tuple[Any, ...]] | None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from graphopt.errors import ExportError, InvalidModelError
 from graphopt.ops import weighted_op_view
 from graphopt.passes.use_onednn_kernels import use_onednn_kernels
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear, Prepacked
+from graphopt.runtime.portable import to_aten
 from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
 
 onednn = importlib.import_module("graphopt.passes.use_onednn_kernels")  # the package attribute is the pass function
@@ -242,17 +245,80 @@ def test_copies_pickles_and_loads_state() -> None:
         gm.load_state_dict({k: v for k, v in other.state_dict().items() if k != "2.weight"})
 
 
-def test_optimized_module_copies_and_refuses_recapture_and_onnx(tmp_path) -> None:
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_an_optimized_module_is_optimized_again_and_exported_with_aten_ops(frontend: str, tmp_path) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 4 * 4, 16), nn.GELU()).eval()
     x = torch.randn(2, 3, 6, 6)
-    fast = graphopt.optimize(model, (x,), passes=["to_channels_last", "use_onednn_kernels"], memory_format="channels_last")
+    passes = ["to_channels_last", "use_onednn_kernels"]
+    fast = graphopt.optimize(model, (x,), passes=passes, memory_format="channels_last", frontend=frontend)
+    assert len(prepacked(fast.graph_module)) == 3
     assert_same_outputs(model, copy.deepcopy(fast), (x,), FP32)
-    with pytest.raises(InvalidModelError, match="optimize the original model"):
-        graphopt.optimize(fast, (x,))
-    with pytest.raises(ExportError, match=r"disable=\['use_onednn_kernels'\]"):
-        graphopt.export_onnx(fast, (x,), tmp_path / "m.onnx", optimize=False)
+
+    aten = to_aten(fast.graph_module)  # what optimize and export_onnx start from
+    assert prepacked(aten) == [] and len(prepacked(fast.graph_module)) == 3  # a copy: the module keeps its kernels
+    targets = [node.target for node in aten.graph.nodes if node.op == "call_function"]
+    assert targets.count(F.conv2d) == 2 and F.linear in targets and F.relu in targets and F.gelu in targets
+    assert list(aten.state_dict()) == list(fast.state_dict())
+    second = channels_last((3, 3, 6, 6))
+    assert_same_outputs(model, aten, (second,), FP32)
+
+    again = graphopt.optimize(fast, (x,), passes=passes, memory_format="channels_last")
+    assert len(prepacked(again.graph_module)) == 3
+    assert_same_outputs(model, again, (second,), FP32)
+    written = graphopt.export_onnx(fast, (x,), tmp_path / "m.onnx", optimize=False)
+    assert Path(written.path).exists()
     with pytest.raises(ExportError, match="passes= asks for use_onednn_kernels"):
-        graphopt.export_onnx(model, (x,), tmp_path / "m.onnx", passes=["use_onednn_kernels"])
+        graphopt.export_onnx(model, (x,), tmp_path / "m2.onnx", passes=["use_onednn_kernels"])
+    fast.graph_module.add_submodule("extra", OneDNNConv(torch.randn(4, 3, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, [2, 3, 6, 6]))
+    with pytest.raises(InvalidModelError, match="optimize the original model"):
+        graphopt.optimize(nn.Sequential(fast.graph_module.extra), (x,))  # a kernel outside an optimized graph cannot be undone
+
+
+class Timed:
+    """A stand-in for the pipeline's timer (seconds before, after a pass): a pass that adds oneDNN kernels takes the graph
+    from 1 s to ``with_kernels``; any other measured pass (to_channels_last) from 1 s to 0.5 s."""
+
+    def __init__(self, with_kernels: float) -> None:
+        self.with_kernels = with_kernels
+
+    def __call__(self, before, after) -> tuple[float, float]:
+        def graph(run) -> fx.GraphModule:
+            return next(v for v in inspect.getclosurevars(run).nonlocals.values() if isinstance(v, fx.GraphModule))
+
+        adds_kernels = bool(prepacked(graph(after))) and not prepacked(graph(before))
+        return 1.0, self.with_kernels if adds_kernels else 0.5
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_default_call_keeps_the_kernels_only_where_they_measure_faster(faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline = importlib.import_module("graphopt.pipeline")
+    monkeypatch.setattr(pipeline, "compare_latency", Timed(0.5 if faster else 2.0))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 4 * 4, 4)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    fast = graphopt.optimize(model, (x,))
+    report = fast.graphopt_report["use_onednn_kernels"]
+    assert len(prepacked(fast.graph_module)) == (3 if faster else 0)
+    assert report.notes[-1].endswith("(2.00x): kept" if faster else "(0.50x): undone (a measured pass must be 1.02x faster to stay)")
+    second = torch.randn(5, 3, 6, 6)
+    assert_same_outputs(model, fast, (second,), FP32)
+    assert list(fast.state_dict()) == list(graphopt.optimize(model, (x,), memory_format="channels_last").state_dict())
+
+
+def test_the_kernels_are_in_the_inference_preset_only_where_measured() -> None:
+    from graphopt.pipeline import select_passes
+
+    def names(**options) -> list[str]:
+        defaults = {"preserve_layout": False, "low_precision": False, "fuse": None}
+        return [info.name for info in select_passes("inference", None, (), **{**defaults, **options})]
+
+    assert "use_onednn_kernels" in names(measure=True)
+    assert names(measure=True).index("use_onednn_kernels") > names(measure=True).index("to_channels_last")
+    assert "use_onednn_kernels" not in names(measure=False)  # memory_format="channels_last"/"preserve": opt-in
+    assert "use_onednn_kernels" not in names(measure=True, fuse="inductor")  # the compiler plans the kernels then
+    assert "use_onednn_kernels" not in [info.name for info in select_passes("training", None, (), preserve_layout=False, low_precision=False, fuse=None)]
+    model = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()
+    explicit = graphopt.optimize(model, (torch.randn(2, 3, 6, 6),), memory_format="channels_last")
+    assert "use_onednn_kernels" not in [p.name for p in explicit.graphopt_report.passes]
 
 
 # ----------------------------------------------------------------------------- guards
