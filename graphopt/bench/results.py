@@ -109,16 +109,22 @@ class ModelResult:
         """Per peer key: its time / the fastest graphopt variant's time (None: the peer did not run)."""
         return {v.key: self.graphopt_vs(v) for v in self.variants if v.role == "peer"}
 
+    def roofline(self, variant: VariantResult | None, rates: dict[str, float], low_precision: str) -> float | None:
+        """``variant``'s achieved FLOP/s over the machine's matrix-multiply rate in its class's precision."""
+        if variant is None or variant.precision_class is None:
+            return None
+        rate = rates.get("fp32" if variant.precision_class == "exact" else low_precision)
+        gflops = variant.gflops(self.flops)
+        return None if gflops is None or not rate else gflops / rate
+
     def class_summary(self, precision_class: str, rates: dict[str, float], low_precision: str) -> dict[str, Any] | None:
         """One precision class: its best peer, graphopt's default and fastest variant, their ratios and roofline fractions."""
         peer, default, fastest = self.fastest("peer", precision_class), self.class_default(precision_class), self.fastest("graphopt", precision_class)
         if peer is None and fastest is None:
             return None
-        rate = rates.get("fp32" if precision_class == "exact" else low_precision)
 
         def roofline(variant: VariantResult | None) -> float | None:
-            gflops = variant.gflops(self.flops) if variant is not None else None
-            return None if gflops is None or not rate else gflops / rate
+            return self.roofline(variant, rates, low_precision)
 
         return {
             "best_peer": peer.key if peer else None,
@@ -145,7 +151,10 @@ class ModelResult:
             "best_graphopt": ours.key if ours else None,
             "graphopt_vs_best_peer": self.graphopt_vs_best_peer,
             "graphopt_vs_each_peer": self.graphopt_vs_each_peer(),
-            "variants": [variant.to_dict() for variant in self.variants],
+            "variants": [
+                {**v.to_dict(), "gflops": v.gflops(self.flops), "roofline_fraction": self.roofline(v, rates or {}, low_precision)}
+                for v in self.variants
+            ],
         }
 
 
@@ -224,7 +233,7 @@ def to_markdown(result: BenchResult) -> str:
             lines.append(f"not run: {model.error}")
             continue
         lines += [
-            "| variant | median latency | vs eager fp32 | optimize/compile (first call incl.) | peak memory | max error | class | GFLOP/s |",
+            "| variant | median latency | vs eager fp32 | optimize/compile (first call incl.) | peak memory | max error | class | GFLOP/s (roofline) |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for v in model.variants:
@@ -234,7 +243,7 @@ def to_markdown(result: BenchResult) -> str:
             lines.append(
                 f"| {v.label} | {_number(v.median_ms, '.2f', ' ms')} | {_number(v.ratio, '.2f', 'x')} | "
                 f"{_number(v.setup_s, '.2f', ' s')} | {_number(v.peak_memory_mb, '.1f', ' MiB')} | {_number(v.max_error, '.1e')} | "
-                f"{v.precision_class or '—'} | {_number(v.gflops(model.flops), '.1f')} |"
+                f"{v.precision_class or '—'} | {_number(v.gflops(model.flops), '.1f')} ({_number(model.roofline(v, rates, result.low_precision), '.0%')}) |"
             )
     lines += ["", f"Peak memory: {result.memory_method}.", ""]
     return "\n".join(lines)

@@ -50,6 +50,8 @@ def test_quick_run_writes_json_markdown_and_prints_the_table(tmp_path: Path, cap
     exact = model["classes"]["exact"]
     assert (exact["best_peer"], exact["fastest_graphopt"], exact["graphopt_default"]) == ("eager-cl", "graphopt", None)
     assert 0 < exact["roofline_fastest"] and exact["roofline_default"] is None
+    graphopt_row = model["variants"][2]
+    assert graphopt_row["roofline_fraction"] == pytest.approx(exact["roofline_fastest"]) and graphopt_row["gflops"] > 0
 
     markdown = (tmp_path / "bench.md").read_text()
     assert "Command: `graphopt bench --models transformer" in markdown
@@ -60,7 +62,7 @@ def test_quick_run_writes_json_markdown_and_prints_the_table(tmp_path: Path, cap
     assert "| model | fastest graphopt | eager fp32 + CL |" in markdown  # graphopt vs each peer
     assert f"| transformer | graphopt fp32 | {model['graphopt_vs_each_peer']['eager-cl']:.2f}x |" in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| eager fp32 |") or line.startswith("| graphopt fp32 |")]
-    assert len(rows) == 2 and all(row.count("|") == 9 and " ms | " in row and " MiB | " in row and " | exact | " in row for row in rows)
+    assert len(rows) == 2 and all(row.count("|") == 9 and " ms | " in row and " MiB | " in row and " | exact | " in row and "%) |" in row for row in rows)
     assert "Peak memory: growth of the process's resident memory" in markdown
     assert markdown.strip() in out  # the same table is printed
 

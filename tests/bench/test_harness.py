@@ -145,7 +145,11 @@ def test_precision_classes_compare_graphopt_defaults_with_the_best_peer_of_each_
 
     data = result.to_dict(RATES, "bf16")
     assert data["flops"] == flops and data["classes"]["exact"] == exact and data["classes"]["low"] == low
-    assert {v["key"]: v["precision_class"] for v in data["variants"]}["amp"] == "low"
+    by_key = {v["key"]: v for v in data["variants"]}
+    assert by_key["amp"]["precision_class"] == "low"
+    assert by_key["ort"]["gflops"] == pytest.approx(flops / 2.0 / 1e9)  # every variant: its FLOP/s and roofline fraction
+    assert by_key["ort"]["roofline_fraction"] == pytest.approx(exact["roofline_best_peer"])
+    assert by_key["amp"]["roofline_fraction"] == pytest.approx(flops / 1.0 / 1e9 / RATES["bf16"])
 
 
 def test_low_precision_variants_are_skipped_where_the_low_dtype_is_slower_than_fp32(fixed_matmul_rates: dict[str, float]) -> None:
