@@ -73,12 +73,12 @@ def _check_lists(passes: Any, disable: Any) -> None:
         raise UnknownPassError(f"passes= and disable= take a list of pass names, e.g. passes=[{fold_conv_bn.__name__!r}]")
 
 
-def resolve_passes(mode: Mode, passes: Sequence[str] | None, disable: Iterable[str]) -> list[PassInfo]:
-    """The passes to run: ``passes`` (in that order) or the mode's preset, minus ``disable``."""
+def resolve_passes(mode: Mode, passes: Sequence[str] | None, disable: Iterable[str], measure: bool = True) -> list[PassInfo]:
+    """The passes to run: ``passes`` (in that order) or the mode's preset (`preset` with ``measure``), minus ``disable``."""
     _check_lists(passes, disable)
     disabled = {_lookup(name, "disable").name for name in disable}
     if passes is None:
-        return [REGISTRY[name] for name in preset(mode) if name not in disabled]
+        return [REGISTRY[name] for name in preset(mode, measure) if name not in disabled]
     chosen = [_lookup(name, "passes") for name in passes]
     for info in chosen:
         if mode not in info.modes:
@@ -120,9 +120,7 @@ def select_passes(
             if info.name in requested:
                 raise InvalidOptionError(f"passes= asks for {info.name} but precision='fp32': pass precision='bf16' or 'fp16'")
             disabled.append(info.name)
-    if passes is None and not measure:
-        disabled += [info.name for info in REGISTRY.values() if info.preset_only_measured]
-    infos = resolve_passes(mode, passes, disabled)
+    infos = resolve_passes(mode, passes, disabled, measure)
     if passes is None and low_precision:
         infos = [info for info in REGISTRY.values() if info in infos or (info.lowers_precision and info.name not in disabled)]
     if fuse is not None:

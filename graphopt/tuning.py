@@ -90,9 +90,10 @@ def candidates(
         layouts = [fixed["memory_format"]]
     precisions = ["fp32"]
     left_out = []
+    emulated = emulated or {}
     for low in low_precisions:
-        if low in (emulated or {}):
-            left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=(emulated or {})[low]))
+        if low in emulated:
+            left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=emulated[low]))
         elif accuracy >= LOW_PRECISION_BOUNDS[low]:
             precisions.append(low)
         else:

@@ -122,19 +122,15 @@ class ModelResult:
         peer, default, fastest = self.fastest("peer", precision_class), self.class_default(precision_class), self.fastest("graphopt", precision_class)
         if peer is None and fastest is None:
             return None
-
-        def roofline(variant: VariantResult | None) -> float | None:
-            return self.roofline(variant, rates, low_precision)
-
         return {
             "best_peer": peer.key if peer else None,
             "graphopt_default": default.key if default else None,
             "default_vs_best_peer": self.graphopt_vs(peer, default) if default else None,
             "fastest_graphopt": fastest.key if fastest else None,
             "fastest_vs_best_peer": self.graphopt_vs(peer, fastest) if fastest else None,
-            "roofline_best_peer": roofline(peer),
-            "roofline_default": roofline(default),
-            "roofline_fastest": roofline(fastest),
+            "roofline_best_peer": self.roofline(peer, rates, low_precision),
+            "roofline_default": self.roofline(default, rates, low_precision),
+            "roofline_fastest": self.roofline(fastest, rates, low_precision),
         }
 
     def to_dict(self, rates: dict[str, float] | None = None, low_precision: str = "bf16") -> dict[str, Any]:
