@@ -30,12 +30,11 @@ from graphopt import progress, verify
 from graphopt.checkpoint import key_map
 from graphopt.errors import GraphoptError, InvalidOptionError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo, PassResult
+from graphopt.passes import base as pass_base
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.diff import GraphDiff, snapshot
 from graphopt.report import NodeChange, PassReport
 from graphopt.timing import compare_latency
-
-MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
 
 def preset(mode: Mode, measure: bool = True) -> tuple[str, ...]:
@@ -288,10 +287,10 @@ def run_passes(
             report.max_error, report.gradient_error = error, gradient_error
         if undo_copy is not None and result.modified:
             gain, figures = _measure(undo_copy, gm, ctx)
-            if gain < MIN_MEASURED_GAIN:
+            if gain < pass_base.MIN_MEASURED_GAIN:
                 gm = undo_copy
                 undone = PassReport(info.name, seconds=report.seconds, max_error=error if verifier is not None else None, gradient_error=gradient_error)
-                undone.notes.append(f"{figures}: undone (a measured pass must be {MIN_MEASURED_GAIN:.2f}x faster to stay)")
+                undone.notes.append(f"{figures}: undone (a measured pass must be {pass_base.MIN_MEASURED_GAIN:.2f}x faster to stay)")
                 report = undone
             else:
                 report.notes.append(f"{figures}: kept")

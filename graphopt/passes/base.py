@@ -20,6 +20,7 @@ from graphopt.report import PassReport
 
 Mode = Literal["inference", "training"]
 MODES: tuple[Mode, ...] = ("inference", "training")
+MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
 
 
 @dataclass

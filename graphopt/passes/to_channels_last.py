@@ -27,11 +27,17 @@ pool -> flatten -> linear head needs no conversion: a ResNet needs one conversio
 and none out. The report counts the conversions and lists the 4-D/5-D ops left in
 NCHW with the reason. Whether channels_last pays depends on the model and the
 hardware: with ``memory_format="auto"`` the pipeline keeps this pass only if the
-rewritten graph measures faster on the example inputs.
+rewritten graph measures faster on the example inputs. On CPU the first planning run
+also times the convolutions: when they take too small a share of it for the graph to
+reach that gain even at no cost (a ViT's patch embedding), the pass leaves the graph
+as it is and the pipeline does not time it. The plan takes two runs of the graph in
+all (plan, then confirm on the rewritten graph); the outputs and the report read the
+layouts the last one recorded.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -42,6 +48,7 @@ from torch.utils import _pytree as pytree
 from graphopt.ops import (
     Recorder, WeightedOpView, dropout_view, get_attr, insert_reader, is_permute, is_reshape, layout_of, tensor_meta, weighted_op_view,
 )
+from graphopt.passes import base
 from graphopt.passes.base import PassContext, PassResult, finish
 from graphopt.report import PassReport, describe
 
@@ -61,6 +68,7 @@ class _LayoutPlanner(Recorder):
         self.conv_ranks = conv_ranks
         self.to_channels_last: dict[fx.Node, list[fx.Node]] = {}  # value -> convs reading it
         self.to_contiguous: dict[fx.Node, list[fx.Node]] = {}  # value -> reshapes reading it
+        self.conv_seconds = 0.0  # time the convs took in the run (CPU: ops return when done)
 
     def run_node(self, n: fx.Node) -> Any:
         source = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -76,21 +84,42 @@ class _LayoutPlanner(Recorder):
         if converted is not None:
             assert source is not None
             self.env[source] = converted
+        started = time.perf_counter()
         try:
             result = super().run_node(n)
         finally:
             if converted is not None:
                 self.env[source] = value
+        if n in self.conv_ranks:
+            self.conv_seconds += time.perf_counter() - started
         if isinstance(result, torch.Tensor):
             n.meta["tensor_meta"] = _extract_tensor_metadata(result)
             n.meta["graphopt_layout"] = layout_of(result)
         return result
 
 
-def _plan(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int]) -> _LayoutPlanner:
+def _plan(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int]) -> tuple[_LayoutPlanner, float]:
+    """The planner after one run of ``gm`` on ``args``, and the run's seconds."""
     planner = _LayoutPlanner(gm, conv_ranks)
+    started = time.perf_counter()
     planner.run_on(args)
-    return planner
+    return planner, time.perf_counter() - started
+
+
+def _cannot_pay(planner: _LayoutPlanner, run_seconds: float) -> str | None:
+    """Why channels_last cannot make the graph `MIN_MEASURED_GAIN` faster, from the first planning run (on CPU).
+
+    The convolutions are what channels_last speeds up; when they take so small a share of
+    the run that the graph would not reach that gain even if they took no time at all,
+    timing the rewritten graph (several runs) cannot keep it.
+    """
+    share = planner.conv_seconds / max(run_seconds, 1e-9)
+    if share >= 1 - 1 / base.MIN_MEASURED_GAIN:
+        return None
+    return (
+        f"convolutions take {share:.1%} of a run on the example inputs: channels_last could not make the graph "
+        f"{base.MIN_MEASURED_GAIN:.2f}x faster even if they took no time, so it is left out without timing"
+    )
 
 
 def _insert_conversion(gm: fx.GraphModule, value: fx.Node, users: list[fx.Node], memory_format: torch.memory_format | None) -> fx.Node:
@@ -140,7 +169,7 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             )
         return finish(gm, False, report)
     conv_ranks: dict[fx.Node, int] = {}
-    converted_weights: set[int] = set()
+    stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its data before the pass)
     for node in gm.graph.nodes:
         conv = weighted_op_view(gm, node)
         if conv is None or conv.spatial_dims not in (2, 3):
@@ -149,21 +178,26 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         weight = conv.weight if conv.weight is not None else _cast_stored_weight(gm, conv)
         if weight is None:
             report.skip(node, "weight computed in the graph: converted on every call, not once")
-        elif id(weight) not in converted_weights:
-            converted_weights.add(id(weight))
+        elif id(weight) not in stored:
+            stored[id(weight)] = (weight, weight.data)
             # clone, not contiguous(): a 1x1 kernel is already "channels_last" with NCHW strides,
             # but its gradients come back with channels_last strides, and DDP warns on the mismatch
             weight.data = weight.data.clone(memory_format=_CHANNELS_LAST[weight.dim()])
     if not conv_ranks:
         report.notes.append("no 2-D or 3-D convolutions: nothing to gain from channels_last")
         return finish(gm, False, report)
-    report.notes.append(f"{len(converted_weights)} conv weights stored in channels_last")
 
     to_channels_last = to_contiguous = 0
-    for _ in range(len(conv_ranks) + 1):  # every round settles at least one value; the last finds nothing
-        planner = _plan(gm, ctx.example_inputs, conv_ranks)
+    for round_number in range(len(conv_ranks) + 1):  # every round settles at least one value; the last finds nothing
+        planner, run_seconds = _plan(gm, ctx.example_inputs, conv_ranks)
+        reason = _cannot_pay(planner, run_seconds) if round_number == 0 and ctx.measure and ctx.device.type == "cpu" else None
+        if reason is not None:
+            for weight, data in stored.values():
+                weight.data = data
+            report.notes.append(reason)
+            return finish(gm, False, report)
         if not planner.to_channels_last and not planner.to_contiguous:
-            break
+            break  # the last run saw the rewritten graph: its layouts are in every node's meta
         for value, convs in planner.to_channels_last.items():
             # every reader but reshapes and outputs takes the converted value, so layout-agnostic
             # ops beside the conv (a residual add of the input) stay in channels_last too
@@ -175,18 +209,20 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             conversion = _insert_conversion(gm, value, reshapes, None)
             report.rewrite(conversion, f"{value.name} back to contiguous for {', '.join(describe(u) for u in reshapes)} (needs NCHW order)")
             to_contiguous += 1
-    outputs_converted = 0 if ctx.keep_channels_last_outputs else _restore_output_layouts(gm, ctx.example_inputs, conv_ranks, report)
+    else:
+        _plan(gm, ctx.example_inputs, conv_ranks)  # the layouts of the rewritten graph, for the outputs and the report
+    report.notes.append(f"{len(stored)} conv weights stored in channels_last")
+    outputs_converted = 0 if ctx.keep_channels_last_outputs else _restore_output_layouts(gm, report)
     report.notes.append(
         f"layout conversions: {to_channels_last} to channels_last, "
         f"{to_contiguous} back to contiguous inside, {outputs_converted} on outputs"
     )
-    _report_nchw_ops(gm, ctx.example_inputs, conv_ranks, report)
+    _report_nchw_ops(gm, conv_ranks, report)
     return finish(gm, True, report)
 
 
-def _restore_output_layouts(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int], report: PassReport) -> int:
-    """Give channels_last outputs back their contiguous layout; return how many needed it."""
-    _plan(gm, args, conv_ranks)
+def _restore_output_layouts(gm: fx.GraphModule, report: PassReport) -> int:
+    """Give channels_last outputs back their contiguous layout (from the last planning run); return how many needed it."""
     output = next(node for node in gm.graph.nodes if node.op == "output")
     leaves = [leaf for leaf in pytree.tree_leaves(output.args) if isinstance(leaf, fx.Node)]
     converted = 0
@@ -198,13 +234,13 @@ def _restore_output_layouts(gm: fx.GraphModule, args: tuple[Any, ...], conv_rank
     return converted
 
 
-def _report_nchw_ops(gm: fx.GraphModule, args: tuple[Any, ...], conv_ranks: dict[fx.Node, int], report: PassReport) -> None:
-    """Record the ops of the rewritten graph that leave channels_last, and why.
+def _report_nchw_ops(gm: fx.GraphModule, conv_ranks: dict[fx.Node, int], report: PassReport) -> None:
+    """Record the ops of the rewritten graph that leave channels_last, and why (layouts from the last planning run,
+    which the output conversions do not change).
 
     Permutes are not listed: a permuted channels_last tensor is a contiguous NHWC one
     (ConvNeXt's LayerNorm runs on it without a copy).
     """
-    _plan(gm, args, conv_ranks)
     for node in gm.graph.nodes:
         if node.meta.get(CONVERSION) or node.op not in ("call_function", "call_method", "call_module"):
             continue
