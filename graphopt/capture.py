@@ -24,8 +24,10 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -44,6 +46,7 @@ from graphopt.side_effects import preserved_user_objects
 from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 # torch.fx.symbolic_trace patches nn.Module.__call__ for every thread while it traces, so a
 # model running eagerly in another thread meanwhile fails: graphopt's public calls take turns.
@@ -103,9 +106,27 @@ def _concrete_arguments(model: nn.Module, args: tuple[Any, ...]) -> dict[str, An
     return concrete or None
 
 
+class _SourceLineTracer(fx.Tracer):
+    """``fx.Tracer`` recording each node's stack in the model's code (``node.stack_trace``), for the report's
+    source lines (e.g. sync points).
+
+    torch's own ``record_stack_traces`` symbolizes native frames too, which costs about 2 s on the
+    first trace of a process; Python's traceback of the frames from the first ``forward`` on,
+    outside torch, is what the report reads.
+    """
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        frames = traceback.extract_stack()[:-1]  # not this frame
+        first = next((i for i, frame in enumerate(frames) if frame.name == "forward"), None)
+        if first is not None and not node.stack_trace:
+            mine = [frame for frame in frames[first:] if not frame.filename.startswith(_TORCH_DIR)]
+            node.stack_trace = "".join(traceback.StackSummary.from_list(mine).format()).strip() or None
+        return node
+
+
 def _trace_fx(model: nn.Module, args: tuple[Any, ...], request: Request, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
-    tracer = fx.Tracer()
-    tracer.record_stack_traces = True  # source lines for the report (e.g. sync points)
+    tracer = _SourceLineTracer()
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
         gm = fx.GraphModule(model, tracer.trace(model, concrete_args=_concrete_arguments(model, args)), model.__class__.__name__)
     # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check
