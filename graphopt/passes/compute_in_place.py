@@ -12,6 +12,15 @@ squeeze-excitation multiplies in place, 1.08x when timed interleaved with other 
 one process (about 1.0x alone in a tight loop, where the allocator keeps the pages).
 The values are the same: the op computes exactly what it computed before.
 
+The same holds for a conv with its residual add fused by `use_onednn_kernels`
+(``OneDNNConv`` called as ``conv(x, other)``): where ``other`` passes the same memory
+checks, the module accumulates into it (oneDNN's sum post-op, as Inductor's freezing does)
+whenever, at run time, ``other`` has the result's shape and dtype and is stored densely in
+channels_last like ``x``; else it writes a new tensor as before. A module called at more
+than one place is left alone. Default call, batch 8, AMD EPYC Zen 2, interleaved medians
+of 15-41 rounds against the same module writing new tensors: ResNet-50's 16 residual adds
+1.02-1.035x; MobileNetV2 (10) and EfficientNet-B0 (9) within noise (0.98-1.01x).
+
 Every rewrite must hold for any input the graph accepts (other batch sizes, values,
 strides, dtypes), not only for the example, so nothing is decided by running it:
 
@@ -173,7 +182,7 @@ def returns_new_memory(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node``'s result never shares memory with its inputs, whatever they are; unknown ops may."""
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        return type(module) in _ALLOCATING_MODULES and not getattr(module, "inplace", False)
+        return type(module) in _ALLOCATING_MODULES and not getattr(module, "inplace", False) and not getattr(module, "into_other", False)
     if node.op == "call_method":
         return _aten_allocates(str(node.target))
     if node.op != "call_function":
@@ -224,6 +233,14 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, tuple[Any, Any]] | No
     return None
 
 
+def _conv_add(gm: fx.GraphModule, node: fx.Node) -> OneDNNConv | None:
+    """The oneDNN conv + residual add ``node`` calls as ``conv(x, other)``, else None."""
+    if node.op != "call_module" or len(node.args) != 2 or node.kwargs:
+        return None
+    module = gm.get_submodule(str(node.target))
+    return module if type(module) is OneDNNConv and module.binary else None
+
+
 def _is_known_non_tensor(node: fx.Node) -> bool:
     """Whether the capture recorded ``node`` as something other than a tensor (a size, a shape)."""
     val, recorded_type = node.meta.get("val"), node.meta.get("type")
@@ -246,7 +263,8 @@ def compute_in_place(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Turn add/mul/div into their in-place forms where an operand's memory is not read again."""
     report = PassReport("compute_in_place")
     candidates = {node: found for node in gm.graph.nodes if (found := _kind(gm, node)) is not None}
-    if not candidates:
+    conv_adds = {node: conv for node in gm.graph.nodes if (conv := _conv_add(gm, node)) is not None}
+    if not candidates and not conv_adds:
         return finish(gm, False, report)
     aliases = MayAlias(gm)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
@@ -274,7 +292,23 @@ def compute_in_place(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             return f"the result does not have {describe(operand)}'s shape and dtype"
         return None
 
-    for node, (kind, (a, b)) in candidates.items():
+    call_sites: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            call_sites[str(node.target)] = call_sites.get(str(node.target), 0) + 1
+    for node in gm.graph.nodes:
+        if node in conv_adds:
+            x, other = node.args
+            reason = "the module runs at more than one place" if call_sites[str(node.target)] > 1 else reason_against(node, other, x)
+            if reason is None:
+                conv_adds[node].into_other = True
+                aliases.join(node, other)  # type: ignore[arg-type]
+                report.rewrite(node, f"conv + add accumulates into {describe(other)} (its last use) when it holds the result")
+            else:
+                report.skip(node, reason)
+        if node not in candidates:
+            continue
+        kind, (a, b) = candidates[node]
         choices = [(a, b), (b, a)] if kind in _COMMUTATIVE else [(a, b)]
         reasons = []
         for operand, other in choices:

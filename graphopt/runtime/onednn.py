@@ -92,7 +92,15 @@ class Prepacked(nn.Module):
 
 
 class OneDNNConv(Prepacked):
-    """conv2d/conv3d (+ add) (+ activation) by ``torch.ops.mkldnn._convolution_pointwise`` on a prepacked weight."""
+    """conv2d/conv3d (+ add) (+ activation) by ``torch.ops.mkldnn._convolution_pointwise`` on a prepacked weight.
+
+    ``into_other`` (set by `compute_in_place` where the add's other operand is not read
+    again): the conv + add accumulates into that operand (oneDNN's sum post-op,
+    ``_convolution_pointwise_.binary``) whenever it can hold the result, instead of writing
+    a new tensor.
+    """
+
+    into_other = False
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, padding: list[int], stride: list[int], dilation: list[int],
@@ -100,7 +108,20 @@ class OneDNNConv(Prepacked):
     ) -> None:
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.input_size = input_size  # oneDNN chooses the packed layout for this input shape; other shapes work too
+        self.out_channels, self.kernel_size = weight.shape[0], list(weight.shape[2:])
         super().__init__(weight, bias, post_op, binary)
+
+    def holds_result(self, x: torch.Tensor, other: torch.Tensor) -> bool:
+        """Whether ``other`` can take conv(x) + other in place: the result's shape and dtype, stored densely in
+        channels_last (the layout oneDNN writes for a channels_last ``x``), and not ``x``'s memory."""
+        memory_format = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        if other.dtype != x.dtype or not x.is_contiguous(memory_format=memory_format) or not other.is_contiguous(memory_format=memory_format):
+            return False
+        if other.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            return False
+        geometry = zip(x.shape[2:], self.kernel_size, self.padding, self.stride, self.dilation)
+        spatial = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, kernel, pad, stride, dilation in geometry]
+        return list(other.shape) == [x.shape[0], self.out_channels, *spatial]
 
     def pack(self, weight: torch.Tensor) -> None:
         self.packed_weight = mkldnn._reorder_convolution_weight(weight.detach(), self.padding, self.stride, self.dilation, self.groups, self.input_size)
@@ -110,13 +131,15 @@ class OneDNNConv(Prepacked):
         if other is None:
             return mkldnn._convolution_pointwise(x, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, attr, self.scalars, algorithm)
         unary = None if attr == "none" else attr
-        return mkldnn._convolution_pointwise.binary(
-            x, other, self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups, "add", None, unary, self.scalars, algorithm or None
-        )
+        geometry = (self.packed_weight, self.bias, self.padding, self.stride, self.dilation, self.groups)
+        if self.into_other and self.holds_result(x, other):
+            return mkldnn._convolution_pointwise_.binary(other, x, *geometry, "add", None, unary, self.scalars, algorithm or None)
+        return mkldnn._convolution_pointwise.binary(x, other, *geometry, "add", None, unary, self.scalars, algorithm or None)
 
     def extra_repr(self) -> str:
         fused = [*(["add"] if self.binary else []), *([self.post_op.attr] if self.post_op.attr != "none" else [])]
-        return f"{tuple(self.packed_weight.shape)}, stride={self.stride}, padding={self.padding}, groups={self.groups}, fused={fused}"
+        into = ", into_other=True" if self.into_other else ""
+        return f"{tuple(self.packed_weight.shape)}, stride={self.stride}, padding={self.padding}, groups={self.groups}, fused={fused}{into}"
 
 
 def fused_linear_add(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import graphopt
 from graphopt.passes.compute_in_place import add_into, compute_in_place, div_into, mul_into
 from graphopt.pipeline import cpu_kernel_passes
+from graphopt.runtime.onednn import OneDNNConv
 from tests.conftest import FRONTENDS, captured, context
 
 IN_PLACE = {add_into, mul_into, div_into}
@@ -398,3 +399,116 @@ def test_the_rewritten_module_copies_and_pickles(frontend: str) -> None:
         torch.save(gm, buffer)
         buffer.seek(0)
         torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- oneDNN conv + residual add
+
+
+class Bottleneck(nn.Module):
+    """ResNet's block: the residual add follows the last conv; the block input is read by the first conv before."""
+
+    def __init__(self, reads_input_after: bool = False) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.reads_input_after = reads_input_after
+
+    def forward(self, x: torch.Tensor):
+        x = torch.relu(x * 2)  # computed in the graph: the add may write into it
+        y = torch.relu(self.conv2(torch.relu(self.conv1(x))) + x)
+        return (y, x.sum()) if self.reads_input_after else y
+
+
+class ConvAddInput(nn.Module):
+    """A residual add of the model's input (the caller's memory, or its channels_last conversion, which may be it), which the conv
+    reads too (``conv_reads_it``) or not."""
+
+    def __init__(self, conv_reads_it: bool) -> None:
+        super().__init__()
+        self.conv, self.conv_reads_it = nn.Conv2d(8, 8, 3, padding=1), conv_reads_it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x if self.conv_reads_it else torch.relu(x)) + x)
+
+
+def conv_adds(module: nn.Module) -> list[OneDNNConv]:
+    return [m for m in module.modules() if isinstance(m, OneDNNConv) and m.binary]
+
+
+def test_a_fused_residual_add_accumulates_into_its_dead_operand() -> None:
+    model, x = Bottleneck().eval(), torch.randn(2, 8, 8, 8)
+    fast = graphopt.optimize(model, (x,), memory_format="channels_last", passes=cpu_kernel_passes("fp32", "channels_last"))
+    report = fast.graphopt_report["compute_in_place"]
+    assert [m.into_other for m in conv_adds(fast)] == [True]
+    assert report.rewrites[0].detail.startswith("conv + add accumulates into ")
+    for args in (x, torch.randn(3, 8, 8, 8), torch.randn(5, 8, 8, 8).to(memory_format=torch.channels_last)):
+        kept = args.clone()
+        with torch.inference_mode():
+            torch.testing.assert_close(fast(args), model(args), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fast(args), model(args), rtol=1e-5, atol=1e-5)  # twice: nothing it reads was overwritten
+        assert torch.equal(args, kept), "the input is never written"
+
+
+@pytest.mark.parametrize(
+    "model, reason",
+    [
+        (Bottleneck(reads_input_after=True), "is read after this op"),
+        (ConvAddInput(conv_reads_it=False), "not a value computed in the graph"),
+        (ConvAddInput(conv_reads_it=True), "both operands are the same value"),
+    ],
+)
+def test_a_residual_operand_read_later_or_given_by_the_caller_is_not_written(model: nn.Module, reason: str) -> None:
+    x = torch.randn(2, 8, 8, 8)
+    fast = graphopt.optimize(model.eval(), (x,), memory_format="channels_last", passes=cpu_kernel_passes("fp32", "channels_last"))
+    assert conv_adds(fast) and not any(m.into_other for m in conv_adds(fast))
+    assert reason in " | ".join(skip.reason for skip in fast.graphopt_report["compute_in_place"].skips)
+    y = torch.randn(3, 8, 8, 8).to(memory_format=torch.channels_last)  # converting it to channels_last returns it
+    kept = y.clone()
+    with torch.inference_mode():
+        expected, actual = model(y), fast(y)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, kept)
+
+
+def test_a_conv_module_called_at_two_places_is_left_alone() -> None:
+    conv = OneDNNConv(torch.randn(4, 4, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, [2, 4, 6, 6], binary=True)
+    root = nn.Module()
+    root.conv = conv
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a, b = graph.call_function(torch.relu, (x,)), graph.call_function(torch.sigmoid, (x,))
+    first = graph.call_module("conv", (x, a))
+    second = graph.call_module("conv", (first, b))
+    graph.output(second)
+    gm = torch.fx.GraphModule(root, graph)
+    inputs = (torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last),)
+    result = compute_in_place(gm, context(inputs))
+    assert not conv.into_other and [s.reason for s in result.report.skips] == ["the module runs at more than one place"] * 2
+
+
+@pytest.mark.parametrize(
+    "make_other, in_place",
+    [
+        (lambda shape: torch.randn(shape).to(memory_format=torch.channels_last), True),
+        (lambda shape: torch.randn(shape), False),  # NCHW: not the layout oneDNN writes for a channels_last input
+        (lambda shape: torch.randn(shape, dtype=torch.float64).to(memory_format=torch.channels_last), False),
+        (lambda shape: torch.randn(shape[0], shape[1], 1, 1).expand(shape), False),  # each element stored once: no
+    ],
+)
+def test_the_conv_module_accumulates_only_into_an_operand_that_holds_the_result(make_other, in_place: bool) -> None:
+    weight, bias = torch.randn(6, 4, 3, 3), torch.randn(6)
+    conv = OneDNNConv(weight, bias, [1, 1], [2, 2], [1, 1], 1, [2, 4, 9, 9], binary=True)
+    conv.into_other = True
+    x = torch.randn(2, 4, 9, 9).to(memory_format=torch.channels_last)
+    other = make_other((2, 6, 5, 5))
+    before = other.clone()
+    with torch.inference_mode():
+        expected = F.conv2d(x, weight, bias, stride=2, padding=1) + before
+        try:
+            result = conv(x, other)
+        except RuntimeError:  # oneDNN refuses a float64 operand out of place too: never a silent in-place write
+            assert not in_place and other.dtype == torch.float64
+            return
+    torch.testing.assert_close(result, expected.to(result.dtype), rtol=1e-5, atol=1e-5)
+    assert (result.data_ptr() == other.data_ptr()) is in_place
+    if not in_place:
+        assert torch.equal(other, before), "an operand that cannot hold the result is left as it was"
