@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import os
 import threading
 import time
 import traceback
@@ -42,11 +41,11 @@ from graphopt.dynamic import Request
 from graphopt.errors import CaptureError, InvalidOptionError
 from graphopt.inputs import argument_names, positional_parameters
 from graphopt.ops import remove_dead_code
+from graphopt.passes.values import TORCH_DIR
 from graphopt.side_effects import preserved_user_objects
 from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
 
 FRONTENDS = ("auto", "fx", "export")
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 # torch.fx.symbolic_trace patches nn.Module.__call__ for every thread while it traces, so a
 # model running eagerly in another thread meanwhile fails: graphopt's public calls take turns.
@@ -120,7 +119,7 @@ class _SourceLineTracer(fx.Tracer):
         frames = traceback.extract_stack()[:-1]  # not this frame
         first = next((i for i, frame in enumerate(frames) if frame.name == "forward"), None)
         if first is not None and not node.stack_trace:
-            mine = [frame for frame in frames[first:] if not frame.filename.startswith(_TORCH_DIR)]
+            mine = [frame for frame in frames[first:] if not frame.filename.startswith(TORCH_DIR)]
             node.stack_trace = "".join(traceback.StackSummary.from_list(mine).format()).strip() or None
         return node
 

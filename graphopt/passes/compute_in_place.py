@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+from collections import Counter
 from typing import Any
 
 import torch
@@ -292,10 +293,7 @@ def compute_in_place(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             return f"the result does not have {describe(operand)}'s shape and dtype"
         return None
 
-    call_sites: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            call_sites[str(node.target)] = call_sites.get(str(node.target), 0) + 1
+    call_sites = Counter(str(node.target) for node in gm.graph.nodes if node.op == "call_module")
     for node in gm.graph.nodes:
         if node in conv_adds:
             x, other = node.args

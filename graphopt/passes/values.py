@@ -132,12 +132,12 @@ def written_or_returned(gm: fx.GraphModule, node: fx.Node) -> str | None:
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)')
-_TORCH_DIR = os.path.dirname(torch.__file__)
+TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def source_line(node: fx.Node) -> str | None:
     """``file.py:12: y = x.sum().item()``: the innermost line of the model's own code that made ``node``."""
-    frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "") if not f[0].startswith(_TORCH_DIR)]
+    frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "") if not f[0].startswith(TORCH_DIR)]
     if not frames:
         return None
     path, line, code = frames[-1]

@@ -108,7 +108,8 @@ class OneDNNConv(Prepacked):
     ) -> None:
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.input_size = input_size  # oneDNN chooses the packed layout for this input shape; other shapes work too
-        self.out_channels, self.kernel_size = weight.shape[0], list(weight.shape[2:])
+        self.out_channels = weight.shape[0]
+        self.windows = list(zip(weight.shape[2:], padding, stride, dilation))  # (kernel, pad, stride, dilation) per spatial dim
         super().__init__(weight, bias, post_op, binary)
 
     def holds_result(self, x: torch.Tensor, other: torch.Tensor) -> bool:
@@ -119,8 +120,7 @@ class OneDNNConv(Prepacked):
             return False
         if other.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             return False
-        geometry = zip(x.shape[2:], self.kernel_size, self.padding, self.stride, self.dilation)
-        spatial = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, kernel, pad, stride, dilation in geometry]
+        spatial = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, (kernel, pad, stride, dilation) in zip(x.shape[2:], self.windows)]
         return list(other.shape) == [x.shape[0], self.out_channels, *spatial]
 
     def pack(self, weight: torch.Tensor) -> None:
