@@ -26,13 +26,13 @@ from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchErr
 from graphopt.inputs import InputSignature, argument_names
 from graphopt.passes import MODES, Mode, PassContext
 from graphopt.pipeline import Verifier, run_verified, select_passes
-from graphopt.precision import PRECISIONS, check_precision, emulated_on_cpu, precision_policy, runs_on
+from graphopt.precision import INT8, PRECISIONS, calibration_batches, check_int8, check_precision, emulated_on_cpu, precision_policy, runs_on
 from graphopt.progress import shown as show_progress
-from graphopt.runtime import OptimizedModule, prepacked_modules, updates_state
+from graphopt.runtime import OptimizedModule, int8_modules, prepacked_modules, updates_state
 from graphopt.runtime.portable import to_aten
 from graphopt.report import Report
 from graphopt.side_effects import preserved_user_objects, side_effects_message, watch_side_effects
-from graphopt.validate import SecondInputs, check_inputs, check_model, positional_inputs, reference_run
+from graphopt.validate import SecondInputs, check_inputs, check_model, positional_inputs, reference_run, with_values_of
 from graphopt import verify as verify_outputs
 from graphopt.verify import Check, tolerance_for
 
@@ -91,6 +91,7 @@ def optimize(
     precision: str = "fp32",
     low_precision_ops: Iterable[str] | None = None,
     fp32_ops: Iterable[str] | None = None,
+    calibration: Iterable[Any] | None = None,
     fuse: str | None = None,
     device: str | torch.device | None = None,
     tune: bool = False,
@@ -136,9 +137,14 @@ def optimize(
             converting them back to the contiguous layout the model returned.
         precision: ``"fp32"`` (no change), ``"bf16"`` or ``"fp16"``: run conv, linear,
             matmul and attention in that dtype, sensitive ops in fp32 (opt-in: it changes
-            numerics, verified with the low dtype's tolerance).
+            numerics, verified with the low dtype's tolerance). ``"int8"`` (CPU inference,
+            with ``calibration``): convs and linears on oneDNN's int8 kernels, each layer
+            whose error would exceed ``accuracy`` kept in float32 (see `graphopt.passes.quantize_int8`).
         low_precision_ops, fp32_ops: override the op families of the precision policy
             (names: see ``graphopt.passes.use_low_precision``).
+        calibration: with ``precision="int8"``, the batches each layer's input range is
+            measured on: an iterable of batches shaped like ``example_inputs`` (a DataLoader
+            of ``(inputs, labels)`` works: the first items of each batch are used).
         fuse: ``None`` (no fusion), ``"inductor"`` (regions of connected pointwise ops
             compiled by torch.compile), ``"torchscript"`` (the same regions scripted with
             torch.jit.script, deprecated by PyTorch) or ``"graph"`` (the whole optimized
@@ -154,6 +160,8 @@ def optimize(
             ``passes``) are kept, not tuned. Choices are cached (see ``graphopt.tuning``).
         accuracy: with ``tune``, the largest error allowed, relative to the output's scale
             (default: the fp32 tolerance, 1e-4, so only exact candidates; 3e-2 admits bf16).
+            With ``precision="int8"``, the output error budget (default 5e-2), measured on the
+            example inputs and verified on them and on a second input.
         tune_budget_s: with ``tune``, about how many seconds tuning may take.
         progress: show a status line on stderr while capturing, running the passes,
             tuning and compiling: None (default) on a terminal only, True always, False never.
@@ -170,13 +178,26 @@ def optimize(
         model = _unwrap(model, mode)
         if example_kwargs is not None:
             example_inputs = positional_inputs(model, example_inputs, example_kwargs)  # forward()'s positional arguments from here on
+        if int8_modules(model):
+            raise InvalidModelError(
+                f"{', '.join(int8_modules(model)[:3])} already run oneDNN's int8 kernels, which cannot be captured again: "
+                "optimize the original model with the options you want instead"
+            )
         if prepacked_modules(model):
             raise InvalidModelError(
                 f"{', '.join(prepacked_modules(model)[:3])} already run oneDNN kernels on prepacked weights, "
                 "which cannot be captured again: optimize the original model with the options you want instead"
             )
         resolved_mode = _resolve_mode(mode, model)
-        low_dtype = check_precision(precision, model)
+        int8 = precision == INT8
+        int8_accuracy = None  # the output error budget of precision="int8"
+        if int8:
+            if tune:
+                raise InvalidOptionError("tune=True does not build int8 candidates yet: call optimize(precision='int8', calibration=...) without tune")
+            int8_accuracy = check_int8(model, resolved_mode, memory_format, fuse, accuracy, device)
+        elif calibration is not None:
+            raise InvalidOptionError("calibration= is for precision='int8': pass precision='int8', or leave calibration out")
+        low_dtype = None if int8 else check_precision(precision, model)
         low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
         if fuse is not None and fuse not in FUSE_BACKENDS:
             raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
@@ -189,7 +210,8 @@ def optimize(
             preserve_layout=memory_format == "preserve",
             low_precision=low_dtype is not None,
             fuse=fuse,
-            measure=memory_format == "auto",
+            measure=memory_format == "auto" and not int8,
+            int8=int8,
         )
         check_frontend(frontend)  # every option is checked before the costly steps below
         dynamic_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
@@ -207,6 +229,7 @@ def optimize(
             return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
         target = resolve_device(device, model, example_inputs)
         args = check_inputs(model, example_inputs, target if device is not None else None)
+        batches = calibration_batches(calibration, lambda batch: check_inputs(model, batch, target if device is not None else None), args) if int8 else ()
         request = dynamic.request(dynamic_shapes, args, argument_names(model, len(args)))
         training = resolved_mode == "training"
 
@@ -237,18 +260,20 @@ def optimize(
                 capture_attempts=captured.attempts,
                 notes=captured.notes,
                 verified=bool(verify),
-                tolerance=_output_tolerance(example.expected.outputs, low_dtype),
+                tolerance=int8_accuracy or _output_tolerance(example.expected.outputs, low_dtype),
                 capture_seconds=captured.seconds,
             )
             context = PassContext(
                 mode=resolved_mode,
                 example_inputs=args,
                 keep_channels_last_outputs=keep_channels_last_outputs,
-                measure=memory_format == "auto",
+                measure=memory_format == "auto" and not int8,
                 precision=low_dtype,
                 low_precision_ops=low_ops,
                 fp32_ops=kept_ops,
                 device=target,
+                calibration=batches,
+                accuracy=int8_accuracy,
             )
             report.captured_nodes = snapshot(captured.graph_module.graph)
             side_effects = side_effects_message(watch.effects, type(model).__name__)
@@ -256,10 +281,12 @@ def optimize(
                 warnings.warn(f"graphopt: {side_effects}", SideEffectWarning, stacklevel=3)
                 report.warnings.append(side_effects)
             second = captured.second
+            if int8 and second is not None:  # resampled example values say nothing of a calibrated model: real ones do
+                second = with_values_of(second, batches[-1], owned) or second
             if verify:
                 report.warnings += _unverifiable(example, second, others, low_dtype)
                 report.second_input = second.differences if second is not None else ""
-            verifier = Verifier(example, second, resolved_mode, strict, original=owned_copy) if verify else None
+            verifier = Verifier(example, second, resolved_mode, strict, original=owned_copy, int8_accuracy=int8_accuracy) if verify else None
             recaptures = iter([captured.graph_module])
 
             def fresh_graph() -> fx.GraphModule:

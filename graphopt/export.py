@@ -24,7 +24,7 @@ from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError
 from graphopt.inputs import argument_names
 from graphopt.pipeline import onnx_left_out, onnx_refused
-from graphopt.runtime import OptimizedModule
+from graphopt.runtime import OptimizedModule, int8_modules
 from graphopt.runtime.portable import runs_onednn_kernels, to_aten
 from graphopt.validate import check_inputs, check_model
 
@@ -72,6 +72,11 @@ def export_onnx(
     if not destination.parent.is_dir():
         raise ExportError(f"folder {destination.parent} does not exist: create it first")
     stores_bf16 = isinstance(model, OptimizedModule) and any(p.dtype == torch.bfloat16 for p in model.parameters())
+    if optimize_options.get("precision") == "int8" or (isinstance(model, OptimizedModule) and int8_modules(model.graph_module)):
+        raise ExportError(
+            "int8 models cannot be exported to ONNX yet (their oneDNN int8 kernels have no QDQ form here): export the model "
+            "without precision='int8' and quantize the ONNX file with onnxruntime.quantization"
+        )
     if optimize_options.get("precision") == "bf16" or stores_bf16:
         raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
     if isinstance(model, OptimizedModule) and model.graphopt_report.mode != "inference":

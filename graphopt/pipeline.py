@@ -97,6 +97,7 @@ def select_passes(
     low_precision: bool,
     fuse: str | None,
     measure: bool = True,
+    int8: bool = False,
 ) -> list[PassInfo]:
     """The passes an ``optimize`` call runs: the preset (or ``passes``) shaped by its memory-format, precision and fuse options.
 
@@ -105,7 +106,8 @@ def select_passes(
     ``low_precision`` the `lowers_precision` pass is left out, with it (and no ``passes``)
     it goes in at its registry place. ``runs_last`` passes move to the end; with ``fuse``
     the ``fuse="without"`` passes are left out and, for region fusion, the
-    ``fuse="regions"`` pass is added.
+    ``fuse="regions"`` pass is added. With ``int8`` (and no ``passes``) the `quantizes` pass goes in with
+    the `cpu_kernels` passes it quantizes, unmeasured; without it, it is left out.
     """
     _check_lists(passes, disable)
     requested = set(passes or ())
@@ -119,9 +121,15 @@ def select_passes(
             if info.name in requested:
                 raise InvalidOptionError(f"passes= asks for {info.name} but precision='fp32': pass precision='bf16' or 'fp16'")
             disabled.append(info.name)
+        if info.quantizes and not int8:
+            if info.name in requested:
+                raise InvalidOptionError(f"passes= asks for {info.name} but precision is not 'int8': pass precision='int8' and calibration=")
+            disabled.append(info.name)
     infos = resolve_passes(mode, passes, disabled, measure)
     if passes is None and low_precision:
         infos = [info for info in REGISTRY.values() if info in infos or (info.lowers_precision and info.name not in disabled)]
+    if passes is None and int8:
+        infos = [info for info in REGISTRY.values() if info in infos or ((info.quantizes or info.cpu_kernels) and info.name not in disabled)]
     if fuse is not None:
         infos = [info for info in infos if info.fuse != "without"]
     if fuse in ("inductor", "torchscript"):
@@ -186,6 +194,7 @@ class Verifier:
     strict: bool = False
     second_each_pass: bool = False
     original: Callable[[], nn.Module] | None = None  # a fresh copy of the original model (float64 confirmation)
+    int8_accuracy: float | None = None  # optimize(precision="int8"): the accepted output error once layers run in int8
 
     def compare(
         self, gm: fx.GraphModule, check: verify.Check, compute_dtype: torch.dtype | None, removed: set[str]
@@ -193,7 +202,7 @@ class Verifier:
         """The graph's error on ``check``: outputs, and in training mode gradients (else None)."""
         training = self.mode == "training"
         actual = verify.run_reference(gm, check.args, gradients=training)
-        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype)
+        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype, self.int8_accuracy if compute_dtype == torch.int8 else None)
         if not training or check.expected.gradients is None or actual.gradients is None:
             return outputs, None
         tolerance = max(verify.tolerance_for(torch.float32), verify.tolerance_for(compute_dtype) if compute_dtype else 0.0)
@@ -275,7 +284,7 @@ def run_passes(
         report.created = _node_changes(node for node in gm.graph.nodes if node not in before_changes)
         report.erased = [before_changes[node] for node in before if node not in after]
         if not info.exact and result.modified:
-            compute_dtype = ctx.precision
+            compute_dtype = torch.int8 if info.quantizes else ctx.precision
         if verifier is not None and result.modified:
             removed = _removed_parameters([*reports, report])
             outputs, gradients = _verify(info.name, gm, verifier, verifier.example, report, compute_dtype, removed)

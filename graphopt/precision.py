@@ -10,23 +10,28 @@ making a low-precision candidate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from graphopt.device import device_types
-from graphopt.errors import InvalidOptionError
+from graphopt.errors import InvalidInputsError, InvalidOptionError
+from graphopt.inputs import describe_inputs
 from graphopt.ops import PRECISION_FAMILY_NAMES
 from graphopt.passes.use_low_precision import DEFAULT_FP32_OPS, DEFAULT_LOW_PRECISION_OPS
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT8 = "int8"  # not a dtype the graph computes in: `check_int8`, the quantize_int8 pass
+DEFAULT_INT8_ACCURACY = 5e-2  # the output error budget of precision="int8" when accuracy= is not given
 
 
 def check_precision(precision: str, model: nn.Module) -> torch.dtype | None:
     """The low dtype for ``precision`` on the model's device, or an error naming what this device supports."""
     if precision not in PRECISIONS:
-        raise InvalidOptionError(f"unknown precision {precision!r}: use one of {', '.join(map(repr, PRECISIONS))}")
+        raise InvalidOptionError(f"unknown precision {precision!r}: use one of {', '.join(map(repr, [*PRECISIONS, INT8]))}")
     dtype = PRECISIONS[precision]
     if dtype is None:
         return None
@@ -86,3 +91,59 @@ def runs_on(precision: str, model: nn.Module) -> bool:
     except InvalidOptionError:
         return False
     return True
+
+
+
+def check_int8(model: nn.Module, mode: str, memory_format: str, fuse: str | None, accuracy: Any, device: Any = None) -> float:
+    """The accuracy budget of ``precision="int8"``, or an error saying which option rules int8 out."""
+    if mode != "inference":
+        raise InvalidOptionError("precision='int8' is for inference: put the model in eval mode or pass mode='inference'")
+    devices = {torch.device(device).type} if device is not None else device_types(model)
+    if devices - {"cpu"}:
+        raise InvalidOptionError(f"precision='int8' runs on oneDNN's CPU kernels, not on {', '.join(sorted(devices - {'cpu'}))}: run the model on the CPU")
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        raise InvalidOptionError("precision='int8' runs on oneDNN's CPU kernels, which this torch build has disabled or lacks")
+    if memory_format == "preserve":
+        raise InvalidOptionError("precision='int8' runs oneDNN's int8 convolutions in channels_last: use memory_format='auto' or 'channels_last'")
+    if fuse is not None:
+        raise InvalidOptionError(f"precision='int8' runs oneDNN's int8 kernels, which fuse={fuse!r} would not compile: leave fuse out")
+    if accuracy is None:
+        return DEFAULT_INT8_ACCURACY
+    if not (isinstance(accuracy, (int, float)) and not isinstance(accuracy, bool) and accuracy > 0):
+        raise InvalidOptionError(f"accuracy={accuracy!r}: give the largest output error allowed relative to the output's scale, e.g. 5e-2")
+    return float(accuracy)
+
+
+def calibration_batches(calibration: Any, check: Callable[[Any], tuple[Any, ...]], example: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """forward()'s arguments for each batch of ``calibration``, each checked by ``check`` and against the example's structure.
+
+    A batch is a tensor, a tuple/list of forward()'s positional arguments or a dict of its
+    keyword arguments; a tuple/list longer than the example's (a DataLoader's ``(inputs,
+    labels)``) gives its first items. Its tensors must have the example's dtypes and
+    numbers of dimensions (sizes may differ).
+    """
+    if calibration is None:
+        raise InvalidOptionError(
+            "precision='int8' needs calibration=: an iterable of example batches shaped like example_inputs "
+            "(a DataLoader works), from which each layer's input range is measured"
+        )
+    if isinstance(calibration, (torch.Tensor, Mapping, str)) or not isinstance(calibration, Iterable):
+        raise InvalidOptionError(
+            f"calibration= takes an iterable of batches (a list of tensors or tuples, or a DataLoader), not a {type(calibration).__name__}"
+        )
+    expected = [(leaf.dtype, leaf.dim()) if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(example)]
+    batches = []
+    for index, batch in enumerate(calibration):
+        if isinstance(batch, (tuple, list)) and len(batch) > len(example):
+            batch = tuple(batch[: len(example)])
+        args = check(batch)
+        found = [(leaf.dtype, leaf.dim()) if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(args)]
+        if pytree.tree_structure(args) != pytree.tree_structure(example) or found != expected:
+            raise InvalidInputsError(
+                f"calibration batch {index} holds {describe_inputs(args)}, the example inputs {describe_inputs(example)}: give batches "
+                "with the example's structure, dtypes and numbers of dimensions"
+            )
+        batches.append(args)
+    if not batches:
+        raise InvalidOptionError("calibration= holds no batch: give at least one batch shaped like example_inputs")
+    return tuple(batches)

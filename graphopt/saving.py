@@ -48,7 +48,7 @@ from graphopt.capture import one_at_a_time
 from graphopt.errors import LoadError, SaveError, error_summary
 from graphopt.inputs import InputSignature, TensorSpec, other_inputs
 from graphopt.report import Report
-from graphopt.runtime import OptimizedModule
+from graphopt.runtime import OptimizedModule, int8_modules
 from graphopt.runtime.portable import ATEN_DECOMPOSITIONS, from_portable, to_portable
 from graphopt.verify import compare
 
@@ -72,6 +72,11 @@ def _check_module(module: Any, what: str) -> InputSignature:
         )
     if module.input_signature is None:
         raise SaveError(f"{what} needs the calls the module accepts, and this module has no input signature: optimize the model again")
+    if int8_modules(module.graph_module):
+        raise SaveError(
+            f"{what} cannot write int8 modules yet ({', '.join(int8_modules(module.graph_module)[:3])} run oneDNN's int8 kernels, which "
+            "torch.export cannot serialize): save the model optimized without precision='int8', and quantize again after loading"
+        )
     return module.input_signature
 
 

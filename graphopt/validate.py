@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 from collections.abc import Generator, Iterator, Mapping
@@ -251,3 +252,23 @@ class SecondInputs:
             self.refused.append(f"{candidate.description}: the model's {unusable} holds NaN or no finite value")
             return None
         return verify.Check(candidate.args, reference, f"a second input ({candidate.description})", candidate.description)
+
+
+def with_values_of(check: verify.Check, values: tuple[Any, ...], model: nn.Module) -> verify.Check | None:
+    """``check``'s second input (its sizes and strides) filled with the values of ``values`` (forward()'s arguments).
+
+    Used where a second input of resampled example values says nothing (int8, calibrated on
+    real data): the batch dimension is repeated or cut to the check's size; None when any
+    other size differs.
+    """
+    args = copy.deepcopy(check.args)  # the same strides (a view stays a view of its own copy)
+    for target, source in zip(pytree.tree_leaves(args), pytree.tree_leaves(values), strict=True):
+        if not isinstance(target, torch.Tensor):
+            continue
+        if target.dim() == 0 or target.shape[1:] != source.shape[1:]:
+            return None
+        repeats = -(-target.shape[0] // source.shape[0])
+        with torch.no_grad():
+            target.copy_(source.repeat(repeats, *([1] * (source.dim() - 1)))[: target.shape[0]])
+    differences = check.differences.replace("values resampled from the example's", "values of the last calibration batch")
+    return verify.Check(args, reference_run(model, args), f"a second input ({differences})", differences)

@@ -306,11 +306,12 @@ def _leaf_error(expected: Any, actual: Any, tolerance: float, compute_dtype: tor
     return float(diff.max() / scale), float(diff.mean() / scale), tolerance, detail
 
 
-def compare(expected: Any, actual: Any, compute_dtype: torch.dtype | None = None) -> Comparison:
+def compare(expected: Any, actual: Any, compute_dtype: torch.dtype | None = None, compute_tolerance: float | None = None) -> Comparison:
     """Compare two (nested) outputs leaf by leaf; the result names the worst leaf.
 
     ``compute_dtype``: the lowest precision the candidate computes in (e.g. bf16 after
-    mixed precision); its tolerance applies when looser than the output dtype's.
+    mixed precision); its tolerance (``compute_tolerance``, default `tolerance_for` it: int8's
+    is the caller's accuracy budget) applies when looser than the output dtype's.
     """
     expected_leaves, expected_spec = pytree.tree_flatten_with_path(expected)
     actual_leaves, actual_spec = pytree.tree_flatten_with_path(actual)
@@ -321,7 +322,7 @@ def compare(expected: Any, actual: Any, compute_dtype: torch.dtype | None = None
     for (path, exp_leaf), (_, act_leaf) in zip(expected_leaves, actual_leaves, strict=True):
         tolerance = tolerance_for(exp_leaf.dtype) if isinstance(exp_leaf, torch.Tensor) else 0.0
         if compute_dtype is not None and tolerance:
-            tolerance = max(tolerance, tolerance_for(compute_dtype))
+            tolerance = max(tolerance, tolerance_for(compute_dtype) if compute_tolerance is None else compute_tolerance)
         error, mean_error, tolerance, detail = _leaf_error(exp_leaf, act_leaf, tolerance, compute_dtype)
         ratio = error / tolerance if tolerance else (0.0 if error == 0 else float("inf"))
         if ratio > worst_ratio:

@@ -27,6 +27,7 @@ from graphopt.passes.extract_pointwise_regions import extract_pointwise_regions
 from graphopt.passes.fold_channel_scale import fold_channel_scale
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.passes.pad_channels import pad_channels
+from graphopt.passes.quantize_int8 import quantize_int8
 from graphopt.passes.remove_dropout import remove_dropout
 from graphopt.passes.remove_redundant_transfers import remove_redundant_transfers
 from graphopt.passes.report_sync_points import report_sync_points
@@ -53,6 +54,7 @@ class PassInfo:
     changes_state: bool = False  # rewrites stored tensors (values, shapes, dtypes or keys); see docs/writing-a-pass.md
     layout: bool = False  # changes memory formats: memory_format="preserve" leaves it out
     lowers_precision: bool = False  # runs exactly when optimize(precision=...) asks for bf16/fp16, before the layout passes
+    quantizes: bool = False  # runs exactly when optimize(precision="int8") asks for it, with the cpu_kernels passes it builds on
     after_precision: bool = False  # must see the dtypes the precision pass chooses: runs after it
     cpu_kernels: bool = False  # swaps ops for CPU-specific kernels: tune's "+ oneDNN" candidates and the benchmark add it
     runs_last: bool = False  # runs after all others, whatever order passes= gives (in registry order among such passes)
@@ -161,6 +163,20 @@ REGISTRY: dict[str, PassInfo] = {
             changes_state=True,
             after_precision=True,
             cpu_kernels=True,
+            fuse="without",
+            onnx="inexpressible",
+        ),
+        # on the modules use_onednn_kernels made, before in-place writes look at them
+        PassInfo(
+            "quantize_int8",
+            quantize_int8,
+            ("inference",),
+            "run convs/linears on oneDNN's int8 kernels, calibrated, keeping in float32 the layers over the accuracy budget "
+            "(optimize(precision='int8', calibration=...))",
+            exact=False,
+            changes_state=True,
+            after_precision=True,
+            quantizes=True,
             fuse="without",
             onnx="inexpressible",
         ),

@@ -35,6 +35,8 @@ class PassContext:
     low_precision_ops: frozenset[str] = frozenset()  # use_low_precision: op families run in `precision`
     fp32_ops: frozenset[str] = frozenset()  # use_low_precision: op families kept in fp32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the model runs: optimize(device=...)
+    calibration: tuple[tuple[Any, ...], ...] = ()  # quantize_int8: forward()'s arguments for each calibration batch
+    accuracy: float | None = None  # quantize_int8: the largest output error allowed, relative to the output's scale
 
 
 class PassResult(NamedTuple):

@@ -11,6 +11,7 @@ objects; these objects never plan anything.
 """
 
 from graphopt.runtime.module import OptimizedModule, updates_state
+from graphopt.runtime.int8 import int8_modules
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear, prepacked_modules
 
-__all__ = ["OneDNNConv", "OneDNNLinear", "OptimizedModule", "prepacked_modules", "updates_state"]
+__all__ = ["OneDNNConv", "OneDNNLinear", "OptimizedModule", "int8_modules", "prepacked_modules", "updates_state"]

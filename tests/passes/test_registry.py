@@ -61,12 +61,12 @@ def test_the_registry_order_honours_each_pass_ordering_constraints() -> None:
 def test_opt_in_passes_are_the_ones_no_preset_runs() -> None:
     for name, info in REGISTRY.items():
         assert set(info.presets) <= set(info.modes), name
-        if info.lowers_precision or info.fuse == "regions":
+        if info.lowers_precision or info.quantizes or info.fuse == "regions":
             assert not info.presets, f"{name} is added by an option, not by a preset"
         if info.cpu_kernels and info.presets:  # CPU-specific kernels run by default only where they measure faster
             assert info.measured and info.preset_only_measured, name
         if info.onnx == "inexpressible":
-            assert info.cpu_kernels, name
+            assert info.cpu_kernels or info.quantizes, name
 
 
 @pytest.mark.parametrize("model_name", ["resnet", "transformer"])

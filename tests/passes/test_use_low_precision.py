@@ -185,8 +185,8 @@ def test_model_without_low_precision_ops_is_unchanged() -> None:
 
 def test_precision_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),)
-    with pytest.raises(graphopt.InvalidOptionError, match="unknown precision 'int8': use one of 'fp32', 'bf16', 'fp16'"):
-        graphopt.optimize(model, inputs, precision="int8")
+    with pytest.raises(graphopt.InvalidOptionError, match="unknown precision 'int4': use one of 'fp32', 'bf16', 'fp16', 'int8'"):
+        graphopt.optimize(model, inputs, precision="int4")
     with pytest.raises(graphopt.InvalidOptionError, match="precision='fp32': pass precision='bf16' or 'fp16'"):
         graphopt.optimize(model, inputs, passes=["use_low_precision"])
     with pytest.raises(graphopt.InvalidOptionError, match=r"unknown op families \['convolution'\]"):

@@ -1,0 +1,219 @@
+"""quantize_int8: run convs and linears on oneDNN's int8 kernels, calibrated, each layer within the accuracy budget.
+
+Runs with ``optimize(precision="int8", calibration=...)`` (CPU inference), after
+`use_onednn_kernels`, on the `OneDNNConv` / `OneDNNLinear` modules it made (so the fused
+activation and residual add come with them)::
+
+    OneDNNConv(x[, other])    -> Int8Conv(x[, other])     onednn.qconv_pointwise, uint8 x int8 -> float32
+    OneDNNLinear(x[, other])  -> Int8Linear(x[, other])   onednn.qlinear_pointwise
+
+Static post-training quantization, the scheme oneDNN's x86 int8 kernels expect:
+- weights: per output channel, symmetric int8 (`graphopt.runtime.int8.quantize_weight`);
+- activations: per tensor, affine uint8, from a histogram of each layer's input over the
+  ``calibration`` batches (``torch.ao.quantization.HistogramObserver``, which picks the
+  range that minimizes the quantization error rather than the raw min/max). On CPUs
+  without VNNI/AMX activations use 7 bits (`graphopt.runtime.int8.activation_levels`).
+
+The accuracy budget (``ctx.accuracy``, relative to the output's scale): each layer's
+error is measured alone, in int8 with every other layer in float32, on the example
+inputs (held out from the calibration batches unless the caller passed them there too).
+Layers whose error alone exceeds the budget stay in float32; then, while the layers
+together exceed it on the example or on any calibration batch, the one with the largest
+error alone goes back to float32. The report says for every layer whether it runs in
+int8, its error alone, and why it was kept.
+
+Then an int8 layer whose every reader is an int8 layer reading it as its input (conv ->
+conv, not a residual add's operand) writes uint8 with their input scale: no float tensor
+and no separate quantization between them (kept only if the output stays within budget).
+
+Preconditions, each a recorded skip reason: float32 weights; conv2d (oneDNN's int8
+conv here is 2-D); the input a finite float32 tensor on the calibration batches. A
+calibration batch the model fails on raises `InvalidInputsError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.quantization import HistogramObserver
+
+from graphopt import verify
+from graphopt.errors import InvalidInputsError, error_summary
+from graphopt.ops import set_attr
+from graphopt.passes.base import PassContext, PassResult, finish
+from graphopt.report import PassReport
+from graphopt.runtime.int8 import Int8Conv, Int8Linear, Int8Op, activation_levels
+from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
+
+
+@dataclass(eq=False)
+class Layer:
+    """A oneDNN conv/linear call that may run in int8."""
+
+    node: fx.Node
+    path: str
+    float_module: OneDNNConv | OneDNNLinear
+    observer: HistogramObserver
+    int8_module: Int8Op | None = None
+    error: float = 0.0  # the output's error with this layer alone in int8
+    reason: str | None = None  # why it stays in float32
+
+
+def _guard(module: OneDNNConv | OneDNNLinear) -> str | None:
+    if module.packed_weight.dtype != torch.float32:
+        return f"{str(module.packed_weight.dtype).removeprefix('torch.')} weight: int8 quantizes float32 layers"
+    if isinstance(module, OneDNNConv) and len(module.stride) != 2:
+        return "conv3d: oneDNN's int8 convolution is used for conv2d only"
+    return None
+
+
+def _observer() -> HistogramObserver:
+    return HistogramObserver(dtype=torch.quint8, qscheme=torch.per_tensor_affine, quant_min=0, quant_max=activation_levels() - 1)
+
+
+def _calibrate(gm: fx.GraphModule, layers: list[Layer], batches: tuple[tuple[Any, ...], ...]) -> None:
+    """Feed every layer's input on the calibration batches to its observer."""
+
+    def observe(layer: Layer) -> Any:
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+            if isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+                layer.observer(args[0].detach())
+
+        return hook
+
+    handles = [layer.float_module.register_forward_pre_hook(observe(layer)) for layer in layers]
+    try:
+        with torch.no_grad(), verify.isolated(gm):
+            for index, batch in enumerate(batches):
+                try:
+                    gm(*batch)
+                except Exception as error:
+                    raise InvalidInputsError(
+                        f"calibration batch {index} fails in the model ({error_summary(error)}): give batches the model accepts, like the example inputs"
+                    ) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _int8_module(layer: Layer) -> Int8Op:
+    scale, zero_point = layer.observer.calculate_qparams()
+    module = layer.float_module
+    weight, bias = module.weight, module.bias
+    if isinstance(module, OneDNNConv):
+        return Int8Conv(
+            weight, bias, module.padding, module.stride, module.dilation, module.groups, module.input_size,
+            float(scale), int(zero_point), module.post_op, module.binary,
+        )  # fmt: skip
+    return Int8Linear(weight, bias, module.rows, float(scale), int(zero_point), module.post_op, module.binary)
+
+
+def _error(gm: fx.GraphModule, checks: list[tuple[tuple[Any, ...], Any]]) -> float:
+    """The largest output error over ``checks`` (arguments, float32 outputs), relative to each output's scale."""
+    with torch.no_grad(), verify.isolated(gm):
+        return max(verify.compare(expected, gm(*args)).max_error for args, expected in checks)
+
+
+def _use(gm: fx.GraphModule, layer: Layer, int8: bool) -> None:
+    set_attr(gm, layer.path, layer.int8_module if int8 else layer.float_module)
+
+
+def _chain(chosen: list[Layer]) -> list[Layer]:
+    """Let each int8 layer whose every reader is an int8 layer reading it as input write uint8 for them; the ones that do."""
+    by_node = {layer.node: layer for layer in chosen}
+    chained = []
+    for layer in chosen:
+        module = layer.int8_module
+        assert module is not None
+        readers = [by_node.get(user) for user in layer.node.users]
+        if module.binary or module.after is not None or not readers or None in readers:
+            continue
+        if any(reader.node.args[0] is not layer.node or layer.node in reader.node.args[1:] for reader in readers):  # type: ignore[union-attr]
+            continue  # read as a residual add's operand, which stays float
+        quantizations = {(reader.int8_module.input_scale, reader.int8_module.input_zero_point) for reader in readers}  # type: ignore[union-attr]
+        if len(quantizations) == 1:
+            module.output_quantization = quantizations.pop()
+            chained.append(layer)
+    return chained
+
+
+def _kind(layer: Layer) -> str:
+    parts = ["conv" if isinstance(layer.float_module, OneDNNConv) else "linear", *(["add"] if layer.float_module.binary else [])]
+    return " + ".join(parts + ([layer.float_module.post_op.attr] if layer.float_module.post_op.attr != "none" else []))
+
+
+def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Swap oneDNN conv/linear modules for int8 ones, calibrated, keeping in float32 the layers over the accuracy budget."""
+    report = PassReport("quantize_int8")
+    if ctx.accuracy is None or not ctx.calibration:
+        report.notes.append("runs with optimize(precision='int8', calibration=...) only")
+        return finish(gm, False, report)
+    layers: list[Layer] = []
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(module, (OneDNNConv, OneDNNLinear)):
+            continue
+        reason = _guard(module)
+        if reason is not None:
+            report.skip(node, reason)
+        else:
+            layers.append(Layer(node, str(node.target), module, _observer()))
+    if not layers:
+        report.notes.append("no oneDNN conv/linear to quantize (use_onednn_kernels makes them: it must run before this pass)")
+        return finish(gm, False, report)
+
+    _calibrate(gm, layers, ctx.calibration)
+    with torch.no_grad(), verify.isolated(gm):
+        # each layer alone is measured on the example; the layers together also on the calibration batches
+        checks = [(args, gm(*args)) for args in (ctx.example_inputs, *ctx.calibration)]
+    for layer in layers:
+        if not torch.isfinite(layer.observer.min_val):
+            layer.reason = "its input was never a finite float32 tensor on the calibration batches"
+            continue
+        layer.int8_module = _int8_module(layer)
+        _use(gm, layer, True)
+        layer.error = _error(gm, checks[:1])
+        _use(gm, layer, False)
+        if layer.error > ctx.accuracy:
+            layer.reason = f"alone in int8 it changes the output by {layer.error:.1e} of its scale, over accuracy={ctx.accuracy:.0e}"
+
+    chosen = sorted((layer for layer in layers if layer.reason is None), key=lambda layer: layer.error)
+    for layer in chosen:
+        _use(gm, layer, True)
+    total = _error(gm, checks) if chosen else 0.0
+    while chosen and total > ctx.accuracy:
+        worst = chosen.pop()
+        _use(gm, worst, False)
+        worst.reason = (
+            f"alone in int8 it changes the output by {worst.error:.1e} of its scale; with it the int8 layers together "
+            f"exceeded accuracy={ctx.accuracy:.0e}, and it had the largest error of them"
+        )
+        total = _error(gm, checks) if chosen else 0.0
+
+    chained = _chain(chosen)
+    if chained:
+        chained_total = _error(gm, checks)
+        if chained_total > ctx.accuracy:  # measured like every choice: undone if it takes the output over the budget
+            for layer in chained:
+                layer.int8_module.output_quantization = None  # type: ignore[union-attr]
+            chained = []
+        else:
+            total = chained_total
+    for layer in layers:
+        if layer.reason is not None:
+            report.skip(layer.node, f"kept in float32: {layer.reason}")
+        else:
+            op = "onednn.qconv_pointwise" if isinstance(layer.int8_module, Int8Conv) else "onednn.qlinear_pointwise"
+            output = ", uint8 output for its int8 readers" if layer in chained else ""
+            report.rewrite(layer.node, f"{_kind(layer)} -> {op} (int8{output}; alone it changes the output by {layer.error:.1e} of its scale)")
+    report.notes.append(
+        f"{len(chosen)} of {len(layers)} convs/linears in int8 (activations: {activation_levels()} levels, calibrated on "
+        f"{len(ctx.calibration)} batches; {len(chained)} write uint8 straight to int8 readers); output error at most {total:.1e} "
+        f"of its scale on the example inputs and the calibration batches, accuracy={ctx.accuracy:.0e}"
+    )
+    return finish(gm, bool(chosen), report)
+
