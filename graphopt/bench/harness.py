@@ -243,22 +243,24 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 def matmul_gflops(dtype: torch.dtype, size: int, device: torch.device, budget_s: float = 1.0) -> float:
     """The rate of a ``size`` x ``size`` matrix product in ``dtype`` on ``device``, in GFLOP/s (median of timed calls).
 
-    A 512 x 512 probe runs first: when it shows the full size would take over five times
-    ``budget_s`` a call (bf16 on a CPU without bf16 instructions runs some 100x slower than
-    fp32), the probe's rate is returned instead.
+    int8 is multiplied by ``torch._int_mm`` (int32 results), its rate counted in the same
+    operations (two per multiply-add). A 512 x 512 probe runs first: when it shows the full
+    size would take over five times ``budget_s`` a call (bf16 on a CPU without bf16
+    instructions runs some 100x slower than fp32), the probe's rate is returned instead.
     """
     generator = torch.Generator().manual_seed(0)
+    multiply = torch._int_mm if dtype == torch.int8 else torch.mm
 
     def rate(n: int, calls_budget_s: float) -> float:
-        a, b = (torch.randn(n, n, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
+        a, b = (torch.randn(n, n, generator=generator).mul(30).to(device=device, dtype=dtype) for _ in range(2))
         seconds: list[float] = []
         with torch.inference_mode():
-            torch.mm(a, b)  # warm-up: oneDNN/MKL pick and cache their kernels
+            multiply(a, b)  # warm-up: oneDNN/MKL pick and cache their kernels
             _synchronize(device)
             started = time.perf_counter()
             while len(seconds) < 3 or (len(seconds) < 50 and time.perf_counter() - started < calls_budget_s):
                 call_started = time.perf_counter()
-                torch.mm(a, b)
+                multiply(a, b)
                 _synchronize(device)
                 seconds.append(time.perf_counter() - call_started)
         return 2 * n**3 / float(np.median(seconds)) / 1e9
@@ -341,9 +343,11 @@ class Harness:
 
     @property
     def rates(self) -> dict[str, float]:
-        """The machine's matrix-multiply rate in fp32 and the low precision, GFLOP/s (measured on first use)."""
+        """The machine's matrix-multiply rate in fp32, the low precision and (CPU) int8, GFLOP/s (measured on first use)."""
         if self._rates is None:
             dtypes = {"fp32": torch.float32, self.low_precision: LOW_PRECISIONS[self.low_precision]}
+            if self.device.type == "cpu":
+                dtypes["int8"] = torch.int8
             self._rates = {name: matmul_gflops(dtype, self.matmul_size, self.device) for name, dtype in dtypes.items()}
         return self._rates
 
@@ -390,7 +394,7 @@ class Harness:
         with tempfile.TemporaryDirectory(prefix="graphopt-bench-") as workdir:
             setup = Setup(model, inputs, self.device, self.low_precision, Path(workdir))
             for variant in self.variants:
-                outcome = VariantResult(variant.key, variant.label, variant.role, class_default=variant.class_default)
+                outcome = VariantResult(variant.key, variant.label, variant.role, class_default=variant.class_default, int8=variant.precision == "int8")
                 result.variants.append(outcome)
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     outcome.status, outcome.reason = "skipped", f"time budget of {self.time_budget_s:.0f} s spent"

@@ -23,7 +23,7 @@ from typing import Any
 
 FOREIGN_CPU_WARNING = 0.25  # cores kept busy by other processes while timing, on average
 EXACT_CLASS_ERROR = 1e-4  # a larger max error (relative to the output's scale) puts a variant in the low-precision class
-CLASSES = ("exact", "low")
+CLASSES = ("exact", "low", "int8")  # int8: the variants that quantize to int8, whatever their error
 
 
 @dataclass
@@ -41,12 +41,15 @@ class VariantResult:
     samples_ms: list[float] = field(default_factory=list)  # one per round
     round_ratios: list[float] = field(default_factory=list)  # eager fp32 / this variant, per round
     class_default: str | None = None  # the precision class this variant is graphopt's public default for
+    int8: bool = False  # it quantizes to int8: its class is "int8"
 
     @property
     def precision_class(self) -> str | None:
-        """``exact`` or ``low`` from the measured error (None: no output to measure)."""
+        """``int8`` for int8 variants, else ``exact`` or ``low`` from the measured error (None: no output to measure)."""
         if self.max_error is None:
             return None
+        if self.int8:
+            return "int8"
         return "exact" if self.max_error <= EXACT_CLASS_ERROR else "low"
 
     @property
@@ -113,7 +116,7 @@ class ModelResult:
         """``variant``'s achieved FLOP/s over the machine's matrix-multiply rate in its class's precision."""
         if variant is None or variant.precision_class is None:
             return None
-        rate = rates.get("fp32" if variant.precision_class == "exact" else low_precision)
+        rate = rates.get({"exact": "fp32", "int8": "int8"}.get(variant.precision_class, low_precision))
         gflops = variant.gflops(self.flops)
         return None if gflops is None or not rate else gflops / rate
 
@@ -268,7 +271,7 @@ def _class_table(models: list[ModelResult], rates: dict[str, float], low_precisi
         return []
     return [
         "",
-        f"Per precision class (exact: max error <= {EXACT_CLASS_ERROR:.0e} of the output's scale; low: above), best peer time / "
+        f"Per precision class (exact: max error <= {EXACT_CLASS_ERROR:.0e} of the output's scale; low: above; int8: quantized to int8), best peer time / "
         "graphopt time, median of per-round ratios (> 1: graphopt is faster); roofline: achieved FLOP/s / the matrix-multiply "
         "rate of the class's precision, for graphopt's default / graphopt's fastest / the best peer:",
         "",

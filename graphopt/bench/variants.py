@@ -10,7 +10,8 @@ Roles: ``baseline`` (eager fp32, what every ratio divides), ``graphopt`` (grapho
 public API: ``graphopt.optimize`` presets and ``graphopt.export_onnx`` run by
 onnxruntime) and ``peer`` (everything graphopt has to beat). ``class_default`` marks the
 graphopt variant a user gets without choosing anything for a precision class: the
-default call (``exact``) and ``precision="bf16"``/``"fp16"`` (``low``); the results
+default call (``exact``), ``precision="bf16"``/``"fp16"`` (``low``) and ``precision="int8"``
+(``int8``: its peers quantize with the same calibration batches, `Setup.calibration`); the results
 compare these with the best peer of the class (`graphopt.bench.results`). A builder that cannot run
 here raises `VariantSkipped` with the reason; any other exception marks the variant as
 failed with its message. The shared ``setup.model`` must never be modified: builders
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import functools
 import inspect
 import io
 import warnings
@@ -43,6 +45,7 @@ from graphopt.pipeline import cpu_kernel_passes
 Runner = Callable[[], Any]
 
 LOW_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CALIBRATION_BATCHES = 4  # batches every int8 variant calibrates on
 
 
 class VariantSkipped(Exception):
@@ -63,6 +66,18 @@ class Setup:
     def low_dtype(self) -> torch.dtype:
         return LOW_PRECISIONS[self.low_precision]
 
+    @functools.cached_property
+    def calibration(self) -> list[tuple[torch.Tensor, ...]]:
+        """The batches every int8 variant calibrates on: the inputs' shapes, fresh values of the same kind (seeded)."""
+        generator = torch.Generator().manual_seed(1)
+
+        def fresh(tensor: torch.Tensor) -> torch.Tensor:
+            if not tensor.is_floating_point():
+                return tensor
+            return (torch.randn(tensor.shape, generator=generator) * tensor.std() + tensor.mean()).to(tensor.device, tensor.dtype)
+
+        return [tuple(fresh(t) for t in self.inputs) for _ in range(CALIBRATION_BATCHES)]
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -73,7 +88,7 @@ class Variant:
     role: str  # "baseline", "graphopt" or "peer"
     build: Callable[[Setup], Runner]
     class_default: str | None = None  # "exact" or "low": graphopt's public default for that precision class
-    precision: str = "fp32"  # "fp32", "low" (computes in the run's low precision) or "auto" (chooses by itself)
+    precision: str = "fp32"  # "fp32", "low" (computes in the run's low precision), "int8" or "auto" (chooses by itself)
 
 
 def _channels_last(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -131,6 +146,8 @@ def _graphopt(**options: Any) -> Callable[[Setup], Runner]:
         if missing:
             raise VariantSkipped(f"graphopt.optimize does not accept {', '.join(f'{name}=' for name in missing)} yet")
         resolved = {name: setup.low_precision if value == "low" else value for name, value in options.items()}
+        if resolved.get("precision") == "int8":
+            resolved["calibration"] = setup.calibration
         optimized = graphopt.optimize(setup.model, setup.inputs, **resolved)
         return lambda: optimized(*setup.inputs)
 
@@ -218,8 +235,53 @@ def _openvino(*, precision: str | None) -> Callable[[Setup], Runner]:
     return build
 
 
+def _openvino_int8(setup: Setup) -> Runner:
+    """OpenVINO's CPU plugin on the model quantized by NNCF's post-training ``nncf.quantize`` (the calibration batches)."""
+    if setup.device.type != "cpu":
+        raise VariantSkipped("the OpenVINO variants run on CPU only")
+    try:
+        import nncf
+        import openvino
+    except ImportError as error:
+        raise VariantSkipped(f"{error.name} is not installed (pip install 'graphopt[bench]')") from error
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        converted = openvino.convert_model(copy.deepcopy(setup.model), example_input=setup.inputs)
+        feeds = [{index: tensor.numpy() for index, tensor in enumerate(batch)} for batch in setup.calibration]
+        quantized = nncf.quantize(converted, nncf.Dataset(feeds), subset_size=len(feeds))
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    request = openvino.Core().compile_model(quantized, "CPU", config).create_infer_request()
+    inputs = {index: tensor.numpy() for index, tensor in enumerate(setup.inputs)}
+    return lambda: tuple(request.infer(inputs).values())
+
+
+def _pt2e_int8(setup: Setup) -> Runner:
+    """torchao's PT2E flow: ``X86InductorQuantizer`` observers and q/dq graph, calibrated, compiled by Inductor with freezing."""
+    if setup.device.type != "cpu":
+        raise VariantSkipped("the PT2E x86 int8 variant runs on CPU only")
+    try:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+    except ImportError as error:
+        raise VariantSkipped("torchao is not installed (pip install 'graphopt[bench]')") from error
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    with torch.no_grad():
+        # strict export records which call of a module each node comes from (source_fn_stack); without it the
+        # quantizer groups the calls of a module used several times (ResNet's relu) and refuses the graph
+        exported = torch.export.export(copy.deepcopy(setup.model), setup.inputs, strict=True).module()
+        prepared = prepare_pt2e(exported, quantizer)
+        for batch in setup.calibration:
+            prepared(*batch)
+        compiled = torch.compile(convert_pt2e(prepared))
+        # freezing as torchao's recipe sets it, process-wide while compiling (as a compile option the int8 weight
+        # prepacking runs on fake tensors and fails); the converted graph is this variant's own, so no other reuses it
+        with torch._inductor.config.patch(freezing=True):
+            compiled(*setup.inputs)
+    return lambda: compiled(*setup.inputs)
+
+
 def _graphopt_variant(key: str, label: str, class_default: str | None = None, **options: Any) -> Variant:
-    precision = "auto" if options.get("tune") else "low" if options.get("precision") == "low" else "fp32"
+    precision = "auto" if options.get("tune") else "low" if options.get("precision") == "low" else options.get("precision", "fp32")
     return Variant(key, label, "graphopt", _graphopt(**options), class_default, precision)
 
 
@@ -253,6 +315,7 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
             "graphopt-low-cl-graph", f"graphopt {low} + CL + torch.compile", memory_format="channels_last", precision="low", fuse="graph"
         ),
         _graphopt_variant("graphopt-tune", "graphopt tuned (accuracy 3e-2)", tune=True, accuracy=3e-2),
+        _graphopt_variant("graphopt-int8", 'graphopt precision="int8"', "int8", precision="int8"),
         Variant("compile", "torch.compile fp32", "peer", _torch_compile()),
         _low("compile-amp-cl", f"torch.compile {low} autocast + CL", _torch_compile(channels_last=True, autocast=True)),
         Variant("compile-freeze-cl", "torch.compile freezing fp32 + CL", "peer", _torch_compile(channels_last=True, freezing=True)),
@@ -263,6 +326,8 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         Variant("ort-plain", "onnxruntime fp32 (plain export)", "peer", _onnxruntime(graphopt_export=False)),
         Variant("openvino", "OpenVINO (default precision)", "peer", _openvino(precision=None), precision="auto"),
         Variant("openvino-f32", "OpenVINO f32", "peer", _openvino(precision="f32")),
+        Variant("openvino-int8", "OpenVINO int8 (NNCF)", "peer", _openvino_int8, precision="int8"),
+        Variant("pt2e-int8", "torchao PT2E x86 int8 + torch.compile freezing", "peer", _pt2e_int8, precision="int8"),
     ]
 
 

@@ -70,14 +70,14 @@ def quiet_harness(variants: list[Variant], **options: Any) -> Harness:
     return Harness(variants, log=lambda message: None, **options)
 
 
-RATES = {"fp32": 100.0, "bf16": 200.0}  # GFLOP/s
+RATES = {"fp32": 100.0, "bf16": 200.0, "int8": 400.0}  # GFLOP/s
 
 
 @pytest.fixture(autouse=True)
 def fixed_matmul_rates(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     """The machine's matrix-multiply rates, as a run measures them first: fixed here (a test may change them)."""
     rates = dict(RATES)
-    monkeypatch.setattr(harness, "matmul_gflops", lambda dtype, size, device: rates["fp32" if dtype == torch.float32 else "bf16"])
+    monkeypatch.setattr(harness, "matmul_gflops", lambda dtype, size, device: rates[{torch.float32: "fp32", torch.int8: "int8"}.get(dtype, "bf16")])
     return rates
 
 
@@ -152,6 +152,24 @@ def test_precision_classes_compare_graphopt_defaults_with_the_best_peer_of_each_
     assert by_key["amp"]["roofline_fraction"] == pytest.approx(flops / 1.0 / 1e9 / RATES["bf16"])
 
 
+def test_int8_variants_form_their_own_class_whatever_their_error() -> None:
+    log: list[str] = []
+    clock = ScriptedClock({"eager": [4.0, 4.0, 4.0], "amp": [1.0, 1.0, 1.0], "ov8": [1.0, 2.0, 1.0], "ours8": [0.5, 1.0, 2.0]}, log)
+    variants = [
+        stub("eager", log, role="baseline"),
+        stub("amp", log, scale=1 + 1e-2),
+        stub("ov8", log, scale=1 + 2e-2, precision="int8"),
+        stub("ours8", log, role="graphopt", scale=1 - 1e-6, class_default="int8", precision="int8"),  # int8 even where exact
+    ]
+    result = quiet_harness(variants, rounds=3, warmup=0, measure=clock).run_model(TINY)
+    assert [v.precision_class for v in result.variants] == ["exact", "low", "int8", "int8"]
+    int8 = result.class_summary("int8", RATES, "bf16")
+    assert (int8["best_peer"], int8["graphopt_default"]) == ("ov8", "ours8")
+    assert int8["default_vs_best_peer"] == pytest.approx(2.0)  # ov8 / ours8 per round: 2, 2, 0.5
+    assert int8["roofline_best_peer"] == pytest.approx(result.flops / 1.0 / 1e9 / RATES["int8"])
+    assert result.class_summary("low", RATES, "bf16")["best_peer"] == "amp"
+
+
 def test_low_precision_variants_are_skipped_where_the_low_dtype_is_slower_than_fp32(fixed_matmul_rates: dict[str, float]) -> None:
     fixed_matmul_rates["bf16"] = 2.0
     log: list[str] = []
@@ -164,11 +182,12 @@ def test_low_precision_variants_are_skipped_where_the_low_dtype_is_slower_than_f
         "bf16 matrix products run at 2.0 GFLOP/s here, 50x slower than fp32's 100 (no native bf16 on this cpu): low-precision variants are not timed"
     )
     assert "amp" not in log
-    assert run.new_result("test").machine["matmul_gflops"] == {"fp32": 100.0, "bf16": 2.0}
+    assert run.new_result("test").machine["matmul_gflops"] == {"fp32": 100.0, "bf16": 2.0, "int8": 400.0}
 
 
 def test_the_matmul_rate_and_the_flop_count_are_measured() -> None:
     assert REAL_MATMUL_GFLOPS(torch.float32, 64, torch.device("cpu"), budget_s=0.01) > 0
+    assert REAL_MATMUL_GFLOPS(torch.int8, 64, torch.device("cpu"), budget_s=0.01) > 0  # torch._int_mm
     assert harness.count_flops(nn.Linear(4, 3), (torch.randn(2, 4),)) == 2 * 2 * 4 * 3
 
     class Untraceable(nn.Module):

@@ -13,7 +13,7 @@ from graphopt.bench.variants import Setup, VariantSkipped, _graphopt, select, va
 from tests.conftest import model_state, randomize_batch_norms
 
 # the tolerance of each variant's output, relative to the output's scale
-TOLERANCES = {"fp32": 1e-4, "low": 3e-2}
+TOLERANCES = {"fp32": 1e-4, "low": 3e-2, "int8": 1e-1}
 BY_KEY = {variant.key: variant for variant in variants("bf16")}
 
 
@@ -37,7 +37,10 @@ def test_keys_are_unique_and_every_role_is_known() -> None:
 
 
 # torch.compile takes seconds per model even this small, and graphopt's export checks the file in onnxruntime
-SLOW = {"compile", "compile-amp-cl", "compile-freeze-cl", "compile-freeze-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse", "graphopt-low-cl-graph", "graphopt-tune"}
+SLOW = {
+    "compile", "compile-amp-cl", "compile-freeze-cl", "compile-freeze-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse",
+    "graphopt-low-cl-graph", "graphopt-tune", "openvino-int8", "pt2e-int8",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("key", [pytest.param(key, marks=pytest.mark.slow) if key in SLOW else key for key in BY_KEY])
@@ -48,18 +51,19 @@ def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None
         expected = setup.model(*setup.inputs)
         output = BY_KEY[key].build(setup)()
     # tune may pick any candidate within its accuracy (3e-2), OpenVINO runs bf16 by default where the CPU has it
-    low_precision = BY_KEY[key].precision != "fp32"
-    assert relative_error(expected, output) < TOLERANCES["low" if low_precision else "fp32"]
+    precision = BY_KEY[key].precision
+    assert relative_error(expected, output) < TOLERANCES["low" if precision in ("low", "auto") else precision]
     assert model_state(setup.model) == before, f"{key} changed the shared model"
 
 
 def test_each_variant_declares_the_precision_it_computes_in() -> None:
-    by_precision = {precision: {v.key for v in variants() if v.precision == precision} for precision in ("fp32", "low", "auto")}
+    by_precision = {precision: {v.key for v in variants() if v.precision == precision} for precision in ("fp32", "low", "int8", "auto")}
     assert by_precision["auto"] == {"graphopt-tune", "openvino"}
+    assert by_precision["int8"] == {"graphopt-int8", "openvino-int8", "pt2e-int8"}
     assert by_precision["low"] == {key for key in BY_KEY if "amp" in key or "low" in key}
     assert sum(map(len, by_precision.values())) == len(BY_KEY)
     # graphopt's public default for each precision class: the default call, and precision=
-    assert {v.class_default: v.key for v in variants() if v.class_default} == {"exact": "graphopt-default", "low": "graphopt-low"}
+    assert {v.class_default: v.key for v in variants() if v.class_default} == {"exact": "graphopt-default", "low": "graphopt-low", "int8": "graphopt-int8"}
 
 
 def test_an_option_graphopt_does_not_accept_skips_the_variant(tmp_path: Path) -> None:
@@ -71,8 +75,11 @@ def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> Non
     setup = setup_for(tmp_path, "cuda")  # nothing is moved to the device: they refuse before
     with pytest.raises(VariantSkipped, match="runs on CPU only"):
         BY_KEY["fx-ofi"].build(setup)
-    with pytest.raises(VariantSkipped, match="run on CPU only"):
-        BY_KEY["openvino"].build(setup)
+    for key in ("openvino", "openvino-int8"):
+        with pytest.raises(VariantSkipped, match="run on CPU only"):
+            BY_KEY[key].build(setup)
+    with pytest.raises(VariantSkipped, match="runs on CPU only"):
+        BY_KEY["pt2e-int8"].build(setup)
     import onnxruntime
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
@@ -83,7 +90,7 @@ def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> Non
 def test_select_keeps_the_baseline_and_matches_shell_patterns() -> None:
     available = variants()
     assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph", "*tune", "*onednn"])] == [
-        "eager", "graphopt-default", "graphopt-low", "graphopt-cl", "graphopt-low-cl",
+        "eager", "graphopt-default", "graphopt-low", "graphopt-cl", "graphopt-low-cl", "graphopt-int8",
     ]  # fmt: skip
     assert [v.key for v in select(available, None, ["*"])] == ["eager"]
     assert select(available, None) == available
