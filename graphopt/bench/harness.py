@@ -240,27 +240,38 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     }
 
 
+def _product(dtype: torch.dtype, n: int, device: torch.device, generator: torch.Generator) -> Callable[[], Any]:
+    """One ``n`` x ``n`` matrix product in ``dtype``: ``torch.mm``, or for int8 oneDNN's uint8 x int8 kernel, which
+    graphopt's and the peers' int8 layers run (``torch._int_mm`` has no fast path on CPUs without VNNI)."""
+    if dtype != torch.int8:
+        a, b = (torch.randn(n, n, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
+        return lambda: torch.mm(a, b)
+    x = torch.randint(0, 128, (n, n), generator=generator, dtype=torch.uint8)
+    weight = torch.ops.onednn.qlinear_prepack(torch.randint(-127, 128, (n, n), generator=generator, dtype=torch.int8), [n, n])
+    scales, zero_points = torch.ones(n), torch.zeros(n, dtype=torch.long)
+    return lambda: torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, weight, scales, zero_points, None, 1.0, 0, torch.float32, "none", [], "none")
+
+
 def matmul_gflops(dtype: torch.dtype, size: int, device: torch.device, budget_s: float = 1.0) -> float:
     """The rate of a ``size`` x ``size`` matrix product in ``dtype`` on ``device``, in GFLOP/s (median of timed calls).
 
-    int8 is multiplied by ``torch._int_mm`` (int32 results), its rate counted in the same
-    operations (two per multiply-add). A 512 x 512 probe runs first: when it shows the full
-    size would take over five times ``budget_s`` a call (bf16 on a CPU without bf16
-    instructions runs some 100x slower than fp32), the probe's rate is returned instead.
+    int8 (CPU) is counted in the same operations, two per multiply-add (`_product`). A
+    512 x 512 probe runs first: when it shows the full size would take over five times
+    ``budget_s`` a call (bf16 on a CPU without bf16 instructions runs some 100x slower than
+    fp32), the probe's rate is returned instead.
     """
     generator = torch.Generator().manual_seed(0)
-    multiply = torch._int_mm if dtype == torch.int8 else torch.mm
 
     def rate(n: int, calls_budget_s: float) -> float:
-        a, b = (torch.randn(n, n, generator=generator).mul(30).to(device=device, dtype=dtype) for _ in range(2))
+        multiply = _product(dtype, n, device, generator)
         seconds: list[float] = []
         with torch.inference_mode():
-            multiply(a, b)  # warm-up: oneDNN/MKL pick and cache their kernels
+            multiply()  # warm-up: oneDNN/MKL pick and cache their kernels
             _synchronize(device)
             started = time.perf_counter()
             while len(seconds) < 3 or (len(seconds) < 50 and time.perf_counter() - started < calls_budget_s):
                 call_started = time.perf_counter()
-                multiply(a, b)
+                multiply()
                 _synchronize(device)
                 seconds.append(time.perf_counter() - call_started)
         return 2 * n**3 / float(np.median(seconds)) / 1e9

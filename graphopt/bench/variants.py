@@ -30,8 +30,9 @@ import fnmatch
 import functools
 import inspect
 import io
+import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,17 +256,33 @@ def _openvino_int8(setup: Setup) -> Runner:
     return lambda: tuple(request.infer(inputs).values())
 
 
+@contextlib.contextmanager
+def _quiet_loggers(*names: str) -> Iterator[None]:
+    """Only errors from these loggers while inside."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def _pt2e_int8(setup: Setup) -> Runner:
     """torchao's PT2E flow: ``X86InductorQuantizer`` observers and q/dq graph, calibrated, compiled by Inductor with freezing."""
     if setup.device.type != "cpu":
         raise VariantSkipped("the PT2E x86 int8 variant runs on CPU only")
     try:
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+        with _quiet_loggers("torchao", "torch.utils._pytree"):  # its CUDA-only extensions fail to load on a CPU build, noisily
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
     except ImportError as error:
         raise VariantSkipped("torchao is not installed (pip install 'graphopt[bench]')") from error
     quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         # strict export records which call of a module each node comes from (source_fn_stack); without it the
         # quantizer groups the calls of a module used several times (ResNet's relu) and refuses the graph
         exported = torch.export.export(copy.deepcopy(setup.model), setup.inputs, strict=True).module()
