@@ -144,7 +144,8 @@ def optimize(
             (names: see ``graphopt.passes.use_low_precision``).
         calibration: with ``precision="int8"``, the batches each layer's input range is
             measured on: an iterable of batches shaped like ``example_inputs`` (a DataLoader
-            of ``(inputs, labels)`` works: the first items of each batch are used).
+            of ``(inputs, labels)`` works: the first items of each batch are used). With
+            ``tune=True``, int8 calibrated on them becomes one of the candidates.
         fuse: ``None`` (no fusion), ``"inductor"`` (regions of connected pointwise ops
             compiled by torch.compile), ``"torchscript"`` (the same regions scripted with
             torch.jit.script, deprecated by PyTorch) or ``"graph"`` (the whole optimized
@@ -154,7 +155,8 @@ def optimize(
             the copy is moved there, and the example inputs must be on it. On CUDA,
             graphs with convolutions and static input shapes turn on cudnn.benchmark.
         tune: build candidate configurations (the graph with no passes; memory formats;
-            each low precision ``accuracy`` admits; fusion when ``tune_budget_s`` allows),
+            each low precision ``accuracy`` admits; int8 with ``calibration``; fusion when
+            ``tune_budget_s`` allows),
             time them on the example inputs and return the fastest within ``accuracy``.
             Options given explicitly (``memory_format``, ``precision``, ``fuse``,
             ``passes``) are kept, not tuned. Choices are cached (see ``graphopt.tuning``).
@@ -193,10 +195,10 @@ def optimize(
         int8_accuracy = None  # the output error budget of precision="int8"
         if int8:
             if tune:
-                raise InvalidOptionError("tune=True does not build int8 candidates yet: call optimize(precision='int8', calibration=...) without tune")
+                raise InvalidOptionError("tune=True chooses the precision itself: leave precision out, and calibration= makes int8 one of its candidates")
             int8_accuracy = check_int8(model, resolved_mode, memory_format, fuse, accuracy, device)
-        elif calibration is not None:
-            raise InvalidOptionError("calibration= is for precision='int8': pass precision='int8', or leave calibration out")
+        elif calibration is not None and not tune:
+            raise InvalidOptionError("calibration= is for precision='int8' (or tune=True, which then tries int8): pass one of them, or leave calibration out")
         low_dtype = None if int8 else check_precision(precision, model)
         low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
         if fuse is not None and fuse not in FUSE_BACKENDS:
@@ -226,7 +228,7 @@ def optimize(
                 mode=mode, disable=disable, frontend=frontend, dynamic_shapes=dynamic_shapes, keep_channels_last_outputs=keep_channels_last_outputs,
                 low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
             )  # fmt: skip
-            return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s)
+            return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s, calibration)
         target = resolve_device(device, model, example_inputs)
         args = check_inputs(model, example_inputs, target if device is not None else None)
         batches = calibration_batches(calibration, lambda batch: check_inputs(model, batch, target if device is not None else None), args) if int8 else ()
@@ -365,8 +367,10 @@ def _unverifiable(example: Check, second: Check | None, others: SecondInputs, lo
     return warnings_
 
 
-def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed: dict[str, Any], accuracy: float | None, budget_s: float) -> OptimizedModule:
-    """``optimize(tune=True)``: the fastest accurate candidate (see `graphopt.tuning`)."""
+def _tuned(
+    model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed: dict[str, Any], accuracy: float | None, budget_s: float, calibration: Iterable[Any] | None
+) -> OptimizedModule:
+    """``optimize(tune=True)``: the fastest accurate candidate (see `graphopt.tuning`); with ``calibration``, int8 is one."""
     if accuracy is None:
         accuracy = tolerance_for(PRECISIONS[fixed.get("precision", "fp32")] or torch.float32)
     if not (isinstance(accuracy, (int, float)) and accuracy > 0):
@@ -376,12 +380,16 @@ def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed:
     low_precisions = [name for name in ("bf16", "fp16") if runs_on(name, model)]
     emulated = {name: reason for name in low_precisions if (reason := emulated_on_cpu(name, model))}
     args = check_inputs(model, example_inputs)
+    batches = None if calibration is None else list(calibration)  # iterated once: each int8 build reads the same batches
 
     def build(**options: Any) -> OptimizedModule:
-        return optimize(model, example_inputs, **{**common, **fixed, **options})
+        int8 = {"calibration": batches} if options.get("precision") == INT8 else {}
+        return optimize(model, example_inputs, **{**common, **fixed, **options, **int8})
 
     resolved_mode = _resolve_mode(common["mode"], model)
     settings = {**common, "mode": resolved_mode, "budget_s": budget_s}  # a model in train mode is tuned apart from eval
+    if batches is not None:
+        settings["calibration"] = f"{len(batches)} batches"
     onednn = resolved_mode == "inference" and device_types(model) == {"cpu"} and torch.backends.mkldnn.is_available()
     return tuning.tune(
         build,
@@ -394,6 +402,7 @@ def _tuned(model: nn.Module, example_inputs: Any, common: dict[str, Any], fixed:
         settings=settings,
         onednn=onednn,
         emulated=emulated,
+        int8=batches is not None,
     )
 
 

@@ -5,7 +5,9 @@ anything costly runs: `check_precision` turns ``"bf16"``/``"fp16"`` into a dtype
 model's devices have kernels for (or an error naming what they do have), and
 `precision_policy` resolves the op families run in that dtype and those kept in fp32
 (defaults: `graphopt.passes.use_low_precision`). `runs_on` is what tune asks before
-making a low-precision candidate.
+making a low-precision candidate. ``precision="int8"`` is not a dtype the graph computes
+in: `check_int8` checks the options it needs (CPU inference, channels_last, no fusion) and
+resolves its accuracy budget, `calibration_batches` the batches it calibrates on.
 """
 
 from __future__ import annotations
@@ -91,7 +93,6 @@ def runs_on(precision: str, model: nn.Module) -> bool:
     except InvalidOptionError:
         return False
     return True
-
 
 
 def check_int8(model: nn.Module, mode: str, memory_format: str, fuse: str | None, accuracy: Any, device: Any = None) -> float:

@@ -7,8 +7,9 @@ inputs, on the target device:
 1. Candidates: the captured graph with no passes (what eager runs), the exact fp32
    passes in each memory format, each low precision the accuracy budget and the device
    allow, for CPU inference each of those with oneDNN's fused, prepacked kernels
-   (`use_onednn_kernels`), and, when the budget is large enough, pointwise fusion and
-   the whole graph handed to torch.compile. Options the caller set explicitly are not tuned.
+   (`use_onednn_kernels`), with ``calibration=`` int8 (`quantize_int8`, within the same
+   accuracy budget), and, when the budget is large enough, pointwise fusion and the whole
+   graph handed to torch.compile. Options the caller set explicitly are not tuned.
 2. Each candidate is built with `graphopt.optimize` (verified against the original: its
    error is measured, not assumed); candidates over the accuracy budget are rejected.
 3. The accurate candidates are timed together, interleaved (A B C A B C ...) after a
@@ -71,6 +72,7 @@ def candidates(
     budget_s: float,
     onednn: bool = False,
     emulated: Mapping[str, str] | None = None,
+    int8: bool = False,
 ) -> tuple[list[Candidate], list[TuneCandidate]]:
     """The candidates to build, and the ones left out with the reason.
 
@@ -82,7 +84,9 @@ def candidates(
     a candidate with the CPU-kernel passes (`graphopt.pipeline.cpu_kernel_passes`: oneDNN's fused,
     prepacked conv/linear kernels). ``emulated``: low precisions this device only emulates,
     with the reason; they are left out (building and timing them would spend the budget on
-    a sure loser).
+    a sure loser). ``int8``: calibration batches were given, so int8 (channels_last, the
+    layers over ``accuracy`` kept in float32) is a candidate, built first, unless explicit
+    options rule it out.
     """
     has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
     layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
@@ -106,6 +110,13 @@ def candidates(
             if onednn and layout == layouts[-1] and "passes" not in fixed and "fuse" not in fixed:
                 built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": cpu_kernel_passes(precision, layout)}))
             built.append(Candidate(f"{precision} {layout}", {"precision": precision, "memory_format": layout}))
+    if int8:
+        int8_options = {"precision": "int8", "memory_format": "channels_last", "accuracy": accuracy}
+        ruled_out = [name for name in ("precision", "passes", "fuse") if name in fixed] + (["memory_format"] if fixed.get("memory_format") == "preserve" else [])
+        if ruled_out:
+            left_out.append(TuneCandidate("int8", int8_options, status="not built", reason=f"explicit {', '.join(f'{name}=' for name in ruled_out)} rules int8 out"))
+        else:
+            built.insert(1, Candidate("int8 channels_last", int8_options))  # after the graph with no passes
     fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
     best_precision = precisions[-1]
     for fuse in fuse_choices:
@@ -174,9 +185,10 @@ def tune(
     settings: Mapping[str, Any],
     onednn: bool = False,
     emulated: Mapping[str, str] | None = None,
+    int8: bool = False,
 ) -> Any:
     """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
-    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated)
+    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated, int8)
     # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
     considered = [(candidate.name, candidate.options) for candidate in todo]
     key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})

@@ -16,6 +16,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import tuning
 from graphopt.errors import InvalidOptionError
+from graphopt.runtime import int8_modules
 from graphopt.models import REFERENCE_MODELS
 
 
@@ -177,3 +178,27 @@ def test_bad_tuning_options(options: dict[str, Any], message: str) -> None:
     model, inputs = resnet()
     with pytest.raises(InvalidOptionError, match=message):
         graphopt.optimize(model, inputs, tune=True, **options)
+
+
+@pytest.mark.parametrize("int8_fastest", [True, False])
+def test_calibration_makes_int8_a_candidate_that_wins_only_when_faster(int8_fastest: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {"int8 channels_last": 1e-4 if int8_fastest else 1.0, "fp32 channels_last + oneDNN": 1e-3})
+    model, inputs = resnet()
+    batches = [torch.randn_like(inputs[0]) for _ in range(2)]
+    tuned = graphopt.optimize(model, inputs, tune=True, accuracy=5e-2, calibration=batches)
+    report = tuned.graphopt_report
+    (int8,) = [c for c in report.tune.candidates if c.name == "int8 channels_last"]
+    assert int8.status == "measured" and int8.options == {"precision": "int8", "memory_format": "channels_last", "accuracy": 5e-2}
+    assert report.tune.winner == ("int8 channels_last" if int8_fastest else "fp32 channels_last + oneDNN")
+    assert bool(int8_modules(tuned)) is int8_fastest
+    assert report.max_error <= 5e-2
+
+
+def test_explicit_options_rule_int8_out_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {})
+    model, inputs = resnet()
+    report = graphopt.optimize(model, inputs, tune=True, memory_format="preserve", calibration=[inputs[0]]).graphopt_report
+    (left_out,) = [c for c in report.tune.candidates if c.name == "int8"]
+    assert left_out.status == "not built" and left_out.reason == "explicit memory_format= rules int8 out"
+    with pytest.raises(InvalidOptionError, match="tune=True chooses the precision itself"):
+        graphopt.optimize(model, inputs, tune=True, precision="int8", calibration=[inputs[0]])

@@ -204,7 +204,7 @@ def test_a_dataloader_of_inputs_and_labels_calibrates() -> None:
         ({"calibration": [torch.randn(4, 3, 16, 16)], "mode": "training"}, "is for inference"),
         ({"calibration": [torch.randn(4, 3, 16, 16)], "memory_format": "preserve"}, "channels_last"),
         ({"calibration": [torch.randn(4, 3, 16, 16)], "fuse": "inductor"}, "leave fuse out"),
-        ({"calibration": [torch.randn(4, 3, 16, 16)], "tune": True}, "does not build int8 candidates yet"),
+        ({"calibration": [torch.randn(4, 3, 16, 16)], "tune": True}, "tune=True chooses the precision itself"),
         ({"calibration": [torch.randn(4, 3, 16, 16)], "device": "meta"}, "run the model on the CPU"),
     ],
 )
@@ -215,7 +215,7 @@ def test_int8_options_are_checked_before_anything_runs(options: dict, message: s
 
 def test_calibration_and_the_pass_need_precision_int8() -> None:
     with pytest.raises(InvalidOptionError, match="calibration= is for precision='int8'"):
-        graphopt.optimize(Block().eval(), torch.randn(4, 3, 16, 16), calibration=batches(1))
+        graphopt.optimize(Block().eval(), torch.randn(4, 3, 16, 16), calibration=batches(1))  # neither precision="int8" nor tune
     with pytest.raises(InvalidOptionError, match="passes= asks for quantize_int8 but precision is not 'int8'"):
         graphopt.optimize(Block().eval(), torch.randn(4, 3, 16, 16), passes=["quantize_int8"])
     with pytest.raises(InvalidInputsError, match="calibration batch 0 holds"):
