@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -17,6 +18,26 @@ from tests.conftest import relative_error
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 FP32 = 1e-5  # the kernel against the same arithmetic in float32: int32 accumulation is exact, the rest float32 rounding
+quantize = importlib.import_module("graphopt.passes.quantize_int8")  # the package attribute is the pass function
+
+
+def timed_as(*ratios: float):
+    """A fake `compare_latency` for the layer timing: runs both, then says int8 is ``ratios[i]`` times faster on the i-th layer
+    timed (float32 seconds, int8 seconds), or 2x when no ratio is given."""
+    speedups = iter(ratios)
+
+    def compare(baseline, candidate, budget_s):
+        baseline()
+        candidate()
+        return next(speedups, 2.0), 1.0
+
+    return compare
+
+
+@pytest.fixture(autouse=True)
+def int8_twice_as_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test times anything: every layer's int8 kernel 'measures' 2x faster (one test scripts it otherwise)."""
+    monkeypatch.setattr(quantize, "compare_latency", timed_as())
 
 
 def int8_layers(module: nn.Module) -> dict[str, Int8Op]:
@@ -178,7 +199,6 @@ def test_a_budget_no_layer_meets_keeps_the_float_graph() -> None:
 
 
 def test_layers_together_over_the_budget_go_back_to_float32_worst_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    quantize = __import__("importlib").import_module("graphopt.passes.quantize_int8")
     errors = iter([0.01, 0.02, 0.03, 0.2, 0.04])  # alone: three layers; together: over, then within after one goes back
     monkeypatch.setattr(quantize, "_error", lambda gm, checks: next(errors))
     fast = graphopt.optimize(Block().eval(), torch.randn(4, 3, 16, 16), precision="int8", calibration=batches(1), accuracy=0.05, verify=False)
@@ -286,7 +306,9 @@ def test_int8_layers_write_uint8_for_int8_readers() -> None:
     layers = int8_layers(fast)
     assert [name for name, m in layers.items() if m.output_quantization is not None] == ["0", "2"]
     assert layers["0"].output_quantization == (layers["2"].input_scale, layers["2"].input_zero_point)
-    assert "uint8 output for its int8 readers" in fast.graphopt_report.why("2")[-1]
+    details = {rewrite.where: rewrite.detail for rewrite in quantize_report(fast).rewrites}
+    assert "int8, uint8 output for its int8 readers" in details["2"] and "uint8" not in details["4"]
+    assert "2.00x its float32 kernel on the example" in details["4"]
     seen = []
     layers["4"].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
     unchained = copy.deepcopy(fast)
@@ -298,3 +320,16 @@ def test_int8_layers_write_uint8_for_int8_readers() -> None:
         # the kernel rounds to the reader's levels as the reader would: at most a level apart where float rounding differs
         assert relative_error(unchained(x), chained_output) < 1e-3
         assert int(layers["2"](layers["0"](x.contiguous(memory_format=torch.channels_last))).max()) <= layers["2"].input_max
+
+
+def test_a_layer_int8_does_not_speed_up_stays_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantize, "compare_latency", timed_as(2.0, 1.01, 1.5))  # stem.0, conv, head, in graph order
+    model = Block().eval()
+    x = torch.randn(4, 3, 16, 16)
+    fast = graphopt.optimize(model, x, precision="int8", calibration=batches(2))
+    assert sorted(int8_layers(fast)) == ["head", "stem.0"]
+    (skip,) = quantize_report(fast).skips
+    assert skip.where == "conv" and skip.reason.startswith("kept in float32: int8 measured 1.01x its float32 kernel on the example")
+    assert "int8 stays only 1.02x faster or more" in skip.reason
+    with torch.no_grad():
+        assert relative_error(model(x), fast(x)) <= graphopt.precision.DEFAULT_INT8_ACCURACY
