@@ -17,16 +17,17 @@ Static post-training quantization, the scheme oneDNN's x86 int8 kernels expect:
 The accuracy budget (``ctx.accuracy``, relative to the output's scale): each layer's
 error is measured alone, in int8 with every other layer in float32, on the example
 inputs (held out from the calibration batches unless the caller passed them there too).
-Layers whose error alone exceeds the budget stay in float32; then, while the layers
-together exceed it on the example or on any calibration batch, the one with the largest
-error alone goes back to float32. The report says for every layer whether it runs in
+Layers whose error alone exceeds the budget stay in float32, and so do those not faster
+in int8 (below); then, while the layers left together exceed the budget on the example
+or on any calibration batch, the one with the largest error alone goes back to float32. The report says for every layer whether it runs in
 int8, its error alone, and why it was kept.
 
-Speed: int8 is only worth its error where it is faster. Each layer left is timed on its
-input from the example inputs, int8 (its input quantized) against its float32 kernel,
-interleaved (`graphopt.timing.compare_latency`, about `LAYER_TIMING_BUDGET_S` each);
-one not at least `MIN_MEASURED_GAIN` times faster stays in float32, with both times in the
-report. (On CPUs without VNNI/AMX int8 convolutions run no faster than float32's.)
+Speed: int8 is only worth its error where it is faster. Each layer within the budget
+alone is timed on its input from the example inputs, int8 (its input quantized) against
+its float32 kernel, interleaved (`graphopt.timing.compare_latency`, about
+`LAYER_TIMING_BUDGET_S` each); one not at least `MIN_MEASURED_GAIN` times faster stays in
+float32, with both times in the report, before the layers share the budget. (On CPUs
+without VNNI/AMX int8 convolutions run no faster than float32's.)
 
 Then an int8 layer whose every reader is an int8 layer reading it as its input (conv ->
 conv, not a residual add's operand) writes uint8 with their input scale: no float tensor
@@ -220,6 +221,13 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if layer.error > ctx.accuracy:
             layer.reason = f"alone in int8 it changes the output by {layer.error:.1e} of its scale, over accuracy={ctx.accuracy:.0e}"
 
+    # speed before the budget: a layer that does not pay in int8 should not take its share of the budget from one that does
+    fast = [layer for layer in layers if layer.reason is None]
+    for layer, times in _speedups(gm, fast, ctx.example_inputs).items():
+        layer.times = times
+        if times[0] < MIN_MEASURED_GAIN * times[1]:
+            layer.reason = f"int8 measured {_speed(layer)}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+
     chosen = sorted((layer for layer in layers if layer.reason is None), key=lambda layer: layer.error)
     for layer in chosen:
         _use(gm, layer, True)
@@ -233,18 +241,6 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         )
         total = _error(gm, checks) if chosen else 0.0
 
-    for layer in chosen:
-        _use(gm, layer, False)
-    for layer, times in _speedups(gm, chosen, ctx.example_inputs).items():
-        layer.times = times
-    slow = [layer for layer in chosen if layer.times is not None and layer.times[0] < MIN_MEASURED_GAIN * layer.times[1]]
-    for layer in slow:
-        chosen.remove(layer)
-        layer.reason = f"int8 measured {_speed(layer)}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
-    for layer in chosen:
-        _use(gm, layer, True)
-    if slow:
-        total = _error(gm, checks) if chosen else 0.0
     chained = _chain(chosen)
     if chained:
         chained_total = _error(gm, checks)
