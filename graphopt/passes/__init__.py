@@ -172,7 +172,7 @@ REGISTRY: dict[str, PassInfo] = {
             quantize_int8,
             ("inference",),
             "run convs/linears on oneDNN's int8 kernels, calibrated, keeping in float32 the layers over the accuracy budget "
-            "(optimize(precision='int8', calibration=...))",
+            "or not faster in int8 (optimize(precision='int8', calibration=...))",
             exact=False,
             changes_state=True,
             after_precision=True,
