@@ -205,6 +205,7 @@ def optimize(
             raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
         if memory_format not in MEMORY_FORMATS:
             raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
+        measure = memory_format == "auto" and not int8  # int8 runs the oneDNN kernels it quantizes, unmeasured
         infos = select_passes(
             resolved_mode,
             passes,
@@ -212,7 +213,7 @@ def optimize(
             preserve_layout=memory_format == "preserve",
             low_precision=low_dtype is not None,
             fuse=fuse,
-            measure=memory_format == "auto" and not int8,
+            measure=measure,
             int8=int8,
         )
         check_frontend(frontend)  # every option is checked before the costly steps below
@@ -269,7 +270,7 @@ def optimize(
                 mode=resolved_mode,
                 example_inputs=args,
                 keep_channels_last_outputs=keep_channels_last_outputs,
-                measure=memory_format == "auto" and not int8,
+                measure=measure,
                 precision=low_dtype,
                 low_precision_ops=low_ops,
                 fp32_ops=kept_ops,

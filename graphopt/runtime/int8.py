@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.runtime.onednn import NO_POST_OP, PostOp, aten_post_op
+from graphopt.runtime.onednn import NO_POST_OP, PostOp, WeightInStateDict, aten_post_op
 
 onednn = torch.ops.onednn
 
@@ -63,7 +63,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales
 
 
-class Int8Op(nn.Module):
+class Int8Op(WeightInStateDict):
     """A conv or linear on oneDNN's int8 kernels: quantizes its float input, returns float32.
 
     ``state_dict()`` has ``<path>.weight`` (the int8 weight times its scales, float32) and
@@ -125,21 +125,11 @@ class Int8Op(nn.Module):
             y = function(y, *args, **kwargs)
         return y
 
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight  # first, like nn.Conv2d and nn.Linear
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+    def weight_shape(self) -> torch.Size:
+        return self.qweight.shape
 
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        key = prefix + "weight"
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key not in state_dict:
-            missing_keys.append(key)
-        elif state_dict[key].shape != self.qweight.shape:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, the shape in current model is {tuple(self.qweight.shape)}.")
-        else:
-            self.set_weight(state_dict[key].detach())
+    def load_weight(self, weight: torch.Tensor) -> None:
+        self.set_weight(weight)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__().copy()

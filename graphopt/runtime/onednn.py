@@ -41,7 +41,38 @@ def aten_post_op(attr: str, scalars: Any, algorithm: str) -> tuple[Callable[...,
     return _FUNCTION_OF_KIND[kind], tuple(scalars), {"approximate": algorithm} if attr == "gelu" else {}
 
 
-class Prepacked(nn.Module):
+class WeightInStateDict(nn.Module):
+    """A module whose kernel weight is not a Parameter: ``state_dict()`` shows it as ``<path>.weight`` (the dense
+    float tensor `weight` gives, first, like nn.Conv2d and nn.Linear); ``load_state_dict`` hands it to `load_weight`."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        key = prefix + "weight"
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            missing_keys.append(key)
+        elif state_dict[key].shape != self.weight_shape():
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, the shape in current model is {tuple(self.weight_shape())}.")
+        else:
+            self.load_weight(state_dict[key].detach())
+
+
+class Prepacked(WeightInStateDict):
     """A oneDNN op with a prepacked weight: dense in state_dict, deepcopy and pickles; packed when running."""
 
     packed_weight: torch.Tensor
@@ -64,21 +95,11 @@ class Prepacked(nn.Module):
         """The dense weight (unpacked on each access)."""
         return self.packed_weight.to_dense()
 
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight  # first, like nn.Conv2d and nn.Linear
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+    def weight_shape(self) -> torch.Size:
+        return self.packed_weight.shape
 
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        key = prefix + "weight"
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key not in state_dict:
-            missing_keys.append(key)
-        elif state_dict[key].shape != self.packed_weight.shape:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, the shape in current model is {tuple(self.packed_weight.shape)}.")
-        else:
-            self.pack(state_dict[key].detach().to(self.packed_weight.dtype))
+    def load_weight(self, weight: torch.Tensor) -> None:
+        self.pack(weight.to(self.packed_weight.dtype))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
