@@ -13,7 +13,8 @@ one process (about 1.0x alone in a tight loop, where the allocator keeps the pag
 The values are the same: the op computes exactly what it computed before.
 
 The same holds for a conv with its residual add fused by `use_onednn_kernels`
-(``OneDNNConv`` called as ``conv(x, other)``): where ``other`` passes the same memory
+(``OneDNNConv`` called as ``conv(x, other)``, or the ``Int8Conv`` `quantize_int8` made of
+it, whose kernel adds in int8 runs): where ``other`` passes the same memory
 checks, the module accumulates into it (oneDNN's sum post-op, as Inductor's freezing does)
 whenever, at run time, ``other`` has the result's shape and dtype and is stored densely in
 channels_last like ``x``; else it writes a new tensor as before. A module called at more
@@ -61,6 +62,7 @@ import torch.nn.functional as F
 
 from graphopt.ops import arithmetic_operands, tensor_meta
 from graphopt.passes.base import PassContext, PassResult, finish
+from graphopt.runtime.int8 import Int8Conv, Int8Linear
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
 from graphopt.report import PassReport, describe
 
@@ -117,7 +119,7 @@ _ALLOCATING_MODULES = (
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
     nn.AdaptiveMaxPool3d, nn.Embedding, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Sigmoid, nn.Tanh, nn.Hardswish,
     nn.Hardsigmoid, nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softplus, nn.Softmax, nn.LogSoftmax,
-    OneDNNConv, OneDNNLinear,
+    OneDNNConv, OneDNNLinear, Int8Conv, Int8Linear,
 )  # fmt: skip
 _OPERATOR_ATEN = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div", operator.floordiv: "floor_divide",
@@ -234,11 +236,13 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, tuple[Any, Any]] | No
     return None
 
 
-def _conv_add(gm: fx.GraphModule, node: fx.Node) -> OneDNNConv | None:
-    """The oneDNN conv + residual add ``node`` calls as ``conv(x, other)``, else None."""
+def _conv_add(gm: fx.GraphModule, node: fx.Node) -> OneDNNConv | Int8Conv | None:
+    """The oneDNN conv + residual add (float or int8, the add in the kernel) ``node`` calls as ``conv(x, other)``, else None."""
     if node.op != "call_module" or len(node.args) != 2 or node.kwargs:
         return None
     module = gm.get_submodule(str(node.target))
+    if type(module) is Int8Conv:
+        return module if module.adds_in_kernel else None
     return module if type(module) is OneDNNConv and module.binary else None
 
 

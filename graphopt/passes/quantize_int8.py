@@ -18,20 +18,29 @@ The accuracy budget (``ctx.accuracy``, relative to the output's scale): each lay
 error is measured alone, in int8 with every other layer in float32, on the example
 inputs (held out from the calibration batches unless the caller passed them there too).
 Layers whose error alone exceeds the budget stay in float32, and so do those not faster
-in int8 (below); then, while the layers left together exceed the budget on the example
-or on any calibration batch, the one with the largest error alone goes back to float32. The report says for every layer whether it runs in
-int8, its error alone, and why it was kept.
+in int8 (below); then, while the layers left together, passing uint8 to each other
+(below), exceed the budget on the example or on any calibration batch, the one with the
+largest error alone goes back to float32. The report says for every layer whether it runs
+in int8, its error alone, and why it was kept.
 
-Speed: int8 is only worth its error where it is faster. Each layer within the budget
-alone is timed on its input from the example inputs, int8 (its input quantized) against
-its float32 kernel, interleaved (`graphopt.timing.compare_latency`, about
-`LAYER_TIMING_BUDGET_S` each); one not at least `MIN_MEASURED_GAIN` times faster stays in
-float32, with both times in the report, before the layers share the budget. (On CPUs
-without VNNI/AMX int8 convolutions run no faster than float32's.)
+Speed: int8 is only worth its error where it is faster. On CPUs without int8 dot products
+(no VNNI/AMX, `graphopt.runtime.int8.has_int8_dot_products`), where int8 convolutions run
+about as fast as float32's, each layer within the budget alone is timed on its input from
+the example inputs, int8 (its input quantized) against its float32 kernel, interleaved
+(`graphopt.timing.compare_latency`, about `LAYER_TIMING_BUDGET_S` each); one not at least
+`MIN_MEASURED_GAIN` times faster stays in float32, with both times in the report, before
+the layers share the budget. With them the kernels are about twice as fast, and a layer
+timed alone, reading and writing float32, says little about it in the graph, where int8
+layers pass uint8 to each other (below). Either way, once the layers are chosen the whole
+graph is timed, int8 layers against float32 (about `GRAPH_TIMING_BUDGET_S`): int8 stays only
+if the graph is `MIN_MEASURED_GAIN` times faster, and the report gives both times.
 
-Then an int8 layer whose every reader is an int8 layer reading it as its input (conv ->
-conv, not a residual add's operand) writes uint8 with their input scale: no float tensor
-and no separate quantization between them (kept only if the output stays within budget).
+A conv's residual add (then a ReLU, or nothing) runs in its int8 kernel (oneDNN's sum
+post-op, accumulating into the other operand). Then an int8 layer whose every reader is an
+int8 layer reading it as its input, or an int8 conv adding into it (conv -> conv, a
+residual block's output -> the next block's convs), writes uint8 with their input scale:
+no float tensor and no separate quantization between them. On ResNet-50 the residual
+stream itself stays uint8.
 
 Preconditions, each a recorded skip reason: float32 weights; conv2d (oneDNN's int8
 conv here is 2-D); the input a finite float32 tensor on the calibration batches. A
@@ -53,11 +62,12 @@ from graphopt.errors import InvalidInputsError, error_summary
 from graphopt.ops import set_attr
 from graphopt.passes.base import MIN_MEASURED_GAIN, PassContext, PassResult, finish
 from graphopt.report import PassReport
-from graphopt.runtime.int8 import Int8Conv, Int8Linear, Int8Op, activation_levels
+from graphopt.runtime.int8 import Int8Conv, Int8Linear, Int8Op, activation_levels, has_int8_dot_products
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
 from graphopt.timing import compare_latency
 
-LAYER_TIMING_BUDGET_S = 0.2  # seconds spent timing one layer, int8 against float32
+LAYER_TIMING_BUDGET_S = 0.2  # seconds spent timing one layer, int8 against float32 (CPUs without int8 dot products)
+GRAPH_TIMING_BUDGET_S = 2.0  # seconds spent timing the graph with its int8 layers against the float32 graph
 
 
 @dataclass(eq=False)
@@ -67,7 +77,8 @@ class Layer:
     node: fx.Node
     path: str
     float_module: OneDNNConv | OneDNNLinear
-    observer: HistogramObserver
+    observer: HistogramObserver  # of its input
+    accum_observer: HistogramObserver | None  # of the tensor a conv + add adds into
     int8_module: Int8Op | None = None
     error: float = 0.0  # the output's error with this layer alone in int8
     times: tuple[float, float] | None = None  # seconds of its float32 and its int8 kernel on the example
@@ -87,12 +98,14 @@ def _observer() -> HistogramObserver:
 
 
 def _calibrate(gm: fx.GraphModule, layers: list[Layer], batches: tuple[tuple[Any, ...], ...]) -> None:
-    """Feed every layer's input on the calibration batches to its observer."""
+    """Feed every layer's input (and the tensor a conv + add adds into) on the calibration batches to its observers."""
 
     def observe(layer: Layer) -> Any:
         def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
             if isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
                 layer.observer(args[0].detach())
+            if layer.accum_observer is not None and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dtype == torch.float32:
+                layer.accum_observer(args[1].detach())
 
         return hook
 
@@ -155,23 +168,77 @@ def _speedups(gm: fx.GraphModule, layers: list[Layer], args: tuple[Any, ...]) ->
     return timed
 
 
+def _graph_times(gm: fx.GraphModule, chosen: list[Layer], args: tuple[Any, ...]) -> tuple[float, float]:
+    """(float32 seconds, int8 seconds) of a call of the graph on ``args``: every chosen layer in float32, then in int8."""
+
+    def run(int8: bool) -> None:
+        for layer in chosen:
+            _use(gm, layer, int8)
+        gm(*args)
+
+    try:
+        with torch.no_grad(), verify.isolated(gm):
+            return compare_latency(lambda: run(False), lambda: run(True), budget_s=GRAPH_TIMING_BUDGET_S)
+    finally:
+        for layer in chosen:
+            _use(gm, layer, True)
+
+
 def _chain(chosen: list[Layer]) -> list[Layer]:
-    """Let each int8 layer whose every reader is an int8 layer reading it as input write uint8 for them; the ones that do."""
+    """Let each int8 layer whose every reader is an int8 layer reading it as input, or an int8 conv adding into it,
+    write uint8 for them; the ones that do.
+
+    Its scale and zero point are the input quantization of the readers that read it as input (all the same: they
+    observed the same tensor), or, read only by a conv adding into it, the range that conv observed for it; the convs
+    that add into it get them as ``accum_quantization``. A conv that adds into another tensor writes uint8 only where
+    that tensor is uint8 too.
+    """
     by_node = {layer.node: layer for layer in chosen}
-    chained = []
+    planned: dict[Layer, tuple[tuple[float, int], list[Layer]]] = {}  # layer -> its uint8 quantization, the convs adding into it
     for layer in chosen:
         module = layer.int8_module
         assert module is not None
+        if (module.binary and not module.adds_in_kernel) or module.after is not None:
+            continue  # a float add or activation runs after the kernel
         readers = [by_node.get(user) for user in layer.node.users]
-        if module.binary or module.after is not None or not readers or None in readers:
+        if not readers or None in readers:
             continue
-        if any(reader.node.args[0] is not layer.node or layer.node in reader.node.args[1:] for reader in readers):  # type: ignore[union-attr]
-            continue  # read as a residual add's operand, which stays float
-        quantizations = {(reader.int8_module.input_scale, reader.int8_module.input_zero_point) for reader in readers}  # type: ignore[union-attr]
+        as_input = [reader for reader in readers if reader.node.args[:1] == (layer.node,) and layer.node not in reader.node.args[1:]]  # type: ignore[union-attr]
+        adding = [reader for reader in readers if _adds_into(reader, layer.node)]  # type: ignore[arg-type]
+        if len(as_input) + len(adding) != len(readers):
+            continue
+        quantizations = {(reader.int8_module.input_scale, reader.int8_module.input_zero_point) for reader in as_input}  # type: ignore[union-attr]
+        if not as_input and len(adding) == 1 and adding[0].accum_observer is not None:  # only added into: its own range
+            scale, zero_point = adding[0].accum_observer.calculate_qparams()
+            quantizations = {(float(scale), int(zero_point))}
         if len(quantizations) == 1:
-            module.output_quantization = quantizations.pop()
-            chained.append(layer)
-    return chained
+            planned[layer] = (quantizations.pop(), adding)
+    # a conv that adds into a float tensor writes float: its kernel adds float into float and uint8 into uint8 only
+    while unplanned := [layer for layer in planned if layer.int8_module.binary and by_node.get(layer.node.args[1]) not in planned]:  # type: ignore[union-attr]
+        for layer in unplanned:
+            del planned[layer]
+    for layer, (quantization, adding) in planned.items():
+        layer.int8_module.output_quantization = quantization  # type: ignore[union-attr]
+        for reader in adding:
+            reader.int8_module.accum_quantization = quantization  # type: ignore[union-attr]
+    return list(planned)
+
+
+def _adds_into(reader: Layer, node: fx.Node) -> bool:
+    """Whether ``reader`` is an int8 conv whose kernel adds its result into ``node`` (and reads ``node`` no other way)."""
+    module = reader.int8_module
+    return isinstance(module, Int8Conv) and module.adds_in_kernel and reader.node.args[1:] == (node,) and reader.node.args[0] is not node
+
+
+def _unchain(chained: list[Layer], chosen: list[Layer]) -> None:
+    """Undo `_chain`: every chosen layer reads and writes float32 again."""
+    for layer in chosen:
+        module = layer.int8_module
+        assert module is not None
+        if layer in chained:
+            module.output_quantization = None
+        if isinstance(module, Int8Conv):
+            module.accum_quantization = None
 
 
 def _speed(layer: Layer) -> str:
@@ -201,7 +268,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if reason is not None:
             report.skip(node, reason)
         else:
-            layers.append(Layer(node, str(node.target), module, _observer()))
+            layers.append(Layer(node, str(node.target), module, _observer(), _observer() if isinstance(module, OneDNNConv) and module.binary else None))
     if not layers:
         report.notes.append("no oneDNN conv/linear to quantize (use_onednn_kernels makes them: it must run before this pass)")
         return finish(gm, False, report)
@@ -222,34 +289,41 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             layer.reason = f"alone in int8 it changes the output by {layer.error:.1e} of its scale, over accuracy={ctx.accuracy:.0e}"
 
     # speed before the budget: a layer that does not pay in int8 should not take its share of the budget from one that does
-    fast = [layer for layer in layers if layer.reason is None]
-    for layer, times in _speedups(gm, fast, ctx.example_inputs).items():
-        layer.times = times
-        if times[0] < MIN_MEASURED_GAIN * times[1]:
-            layer.reason = f"int8 measured {_speed(layer)}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+    if not has_int8_dot_products():
+        fast = [layer for layer in layers if layer.reason is None]
+        for layer, times in _speedups(gm, fast, ctx.example_inputs).items():
+            layer.times = times
+            if times[0] < MIN_MEASURED_GAIN * times[1]:
+                layer.reason = f"int8 measured {_speed(layer)}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
 
+    # the chosen layers in int8, passing uint8 where they can; while over the budget, the worst goes back to float32
     chosen = sorted((layer for layer in layers if layer.reason is None), key=lambda layer: layer.error)
     for layer in chosen:
         _use(gm, layer, True)
+    chained = _chain(chosen)
     total = _error(gm, checks) if chosen else 0.0
     while chosen and total > ctx.accuracy:
+        _unchain(chained, chosen)
         worst = chosen.pop()
         _use(gm, worst, False)
         worst.reason = (
             f"alone in int8 it changes the output by {worst.error:.1e} of its scale; with it the int8 layers together "
             f"exceeded accuracy={ctx.accuracy:.0e}, and it had the largest error of them"
         )
+        chained = _chain(chosen)
         total = _error(gm, checks) if chosen else 0.0
-
-    chained = _chain(chosen)
-    if chained:
-        chained_total = _error(gm, checks)
-        if chained_total > ctx.accuracy:  # measured like every choice: undone if it takes the output over the budget
-            for layer in chained:
-                layer.int8_module.output_quantization = None  # type: ignore[union-attr]
-            chained = []
+    if chosen:
+        float_s, int8_s = _graph_times(gm, chosen, ctx.example_inputs)
+        speed = f"{float_s / int8_s:.2f}x the float32 graph on the example ({int8_s * 1e3:.2f} ms against {float_s * 1e3:.2f} ms)"
+        if float_s < MIN_MEASURED_GAIN * int8_s:
+            _unchain(chained, chosen)
+            for layer in chosen:
+                _use(gm, layer, False)
+                layer.reason = f"the graph with its int8 layers measured {speed}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+            report.notes.append(f"int8 left out: with its {len(chosen)} int8 layers the graph measured {speed}")
+            chosen, chained, total = [], [], 0.0
         else:
-            total = chained_total
+            report.notes.append(f"with its {len(chosen)} int8 layers the graph runs {speed}")
     for layer in layers:
         if layer.reason is not None:
             report.skip(layer.node, f"kept in float32: {layer.reason}")

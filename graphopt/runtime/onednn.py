@@ -112,6 +112,21 @@ class Prepacked(WeightInStateDict):
         self.pack(dense)
 
 
+def holds_conv_result(x: torch.Tensor, other: torch.Tensor, dtype: torch.dtype, out_channels: int, windows: list[tuple[int, int, int, int]]) -> bool:
+    """Whether ``other`` can take a conv's result of ``dtype`` in place: that shape and dtype, stored densely in
+    channels_last (the layout oneDNN writes for a channels_last ``x``), and not ``x``'s memory.
+
+    ``windows``: (kernel, pad, stride, dilation) per spatial dimension.
+    """
+    memory_format = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    if other.dtype != dtype or not x.is_contiguous(memory_format=memory_format) or not other.is_contiguous(memory_format=memory_format):
+        return False
+    if other.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return False
+    spatial = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, (kernel, pad, stride, dilation) in zip(x.shape[2:], windows)]
+    return list(other.shape) == [x.shape[0], out_channels, *spatial]
+
+
 class OneDNNConv(Prepacked):
     """conv2d/conv3d (+ add) (+ activation) by ``torch.ops.mkldnn._convolution_pointwise`` on a prepacked weight.
 
@@ -134,15 +149,8 @@ class OneDNNConv(Prepacked):
         super().__init__(weight, bias, post_op, binary)
 
     def holds_result(self, x: torch.Tensor, other: torch.Tensor) -> bool:
-        """Whether ``other`` can take conv(x) + other in place: the result's shape and dtype, stored densely in
-        channels_last (the layout oneDNN writes for a channels_last ``x``), and not ``x``'s memory."""
-        memory_format = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        if other.dtype != x.dtype or not x.is_contiguous(memory_format=memory_format) or not other.is_contiguous(memory_format=memory_format):
-            return False
-        if other.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            return False
-        spatial = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, (kernel, pad, stride, dilation) in zip(x.shape[2:], self.windows)]
-        return list(other.shape) == [x.shape[0], self.out_channels, *spatial]
+        """Whether ``other`` can take conv(x) + other in place (`holds_conv_result`, in ``x``'s dtype)."""
+        return holds_conv_result(x, other, x.dtype, self.out_channels, self.windows)
 
     def pack(self, weight: torch.Tensor) -> None:
         self.packed_weight = mkldnn._reorder_convolution_weight(weight.detach(), self.padding, self.stride, self.dilation, self.groups, self.input_size)
