@@ -333,6 +333,8 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         ),
         _graphopt_variant("graphopt-tune", "graphopt tuned (accuracy 3e-2)", tune=True, accuracy=3e-2),
         _graphopt_variant("graphopt-int8", 'graphopt precision="int8"', "int8", precision="int8"),
+        # the output error the int8 peers reach on the anchors (7e-2 to 1.4e-1 measured), instead of the default 5e-2
+        _graphopt_variant("graphopt-int8-1e-1", 'graphopt precision="int8", accuracy=1e-1', precision="int8", accuracy=1e-1),
         Variant("compile", "torch.compile fp32", "peer", _torch_compile()),
         _low("compile-amp-cl", f"torch.compile {low} autocast + CL", _torch_compile(channels_last=True, autocast=True)),
         Variant("compile-freeze-cl", "torch.compile freezing fp32 + CL", "peer", _torch_compile(channels_last=True, freezing=True)),
