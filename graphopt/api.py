@@ -24,7 +24,7 @@ from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationWarning
 from graphopt.inputs import InputSignature, argument_names
-from graphopt.passes import MODES, Mode, PassContext
+from graphopt.passes import MODES, REGISTRY, Mode, PassContext
 from graphopt.pipeline import Verifier, run_verified, select_passes
 from graphopt.precision import INT8, PRECISIONS, calibration_batches, check_int8, check_precision, emulated_on_cpu, precision_policy, runs_on
 from graphopt.progress import shown as show_progress
@@ -139,7 +139,9 @@ def optimize(
             matmul and attention in that dtype, sensitive ops in fp32 (opt-in: it changes
             numerics, verified with the low dtype's tolerance). ``"int8"`` (CPU inference,
             with ``calibration``): convs and linears on oneDNN's int8 kernels, each layer
-            whose error would exceed ``accuracy`` kept in float32 (see `graphopt.passes.quantize_int8`).
+            whose error would exceed ``accuracy`` kept in float32 (see `graphopt.passes.quantize_int8`);
+            where none stays in int8 (over the budget, or not faster), a warning says so and the
+            result is the default float32 call's.
         low_precision_ops, fp32_ops: override the op families of the precision policy
             (names: see ``graphopt.passes.use_low_precision``).
         calibration: with ``precision="int8"``, the batches each layer's input range is
@@ -219,16 +221,16 @@ def optimize(
         check_frontend(frontend)  # every option is checked before the costly steps below
         dynamic_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
         strict = _check_verify(verify)
+        common = dict(
+            mode=mode, disable=disable, frontend=frontend, dynamic_shapes=dynamic_shapes, keep_channels_last_outputs=keep_channels_last_outputs,
+            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
+        )  # fmt: skip
         if tune:
             fixed = {
                 name: value
                 for name, value, default in (("memory_format", memory_format, "auto"), ("precision", precision, "fp32"), ("fuse", fuse, None), ("passes", passes, None))
                 if value != default
             }
-            common = dict(
-                mode=mode, disable=disable, frontend=frontend, dynamic_shapes=dynamic_shapes, keep_channels_last_outputs=keep_channels_last_outputs,
-                low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
-            )  # fmt: skip
             return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s, calibration)
         target = resolve_device(device, model, example_inputs)
         args = check_inputs(model, example_inputs, target if device is not None else None)
@@ -322,7 +324,33 @@ def optimize(
                 else:
                     report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=any(0 in dims for dims in free))
             signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export")
-            return OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
+            optimized = OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
+        if int8 and passes is None and not int8_modules(optimized):
+            return _float_instead_of_int8(model, example_inputs, dict(common, memory_format=memory_format), report)
+        return optimized
+
+
+def _float_instead_of_int8(model: nn.Module, example_inputs: Any, options: dict[str, Any], attempt: Report) -> OptimizedModule:
+    """The default float32 call's result, for ``precision="int8"`` where no layer stayed in int8.
+
+    The int8 pipeline leaves its layers on oneDNN's float32 kernels, chosen without timing (int8 needs them);
+    the default call keeps them only where they time faster. The int8 attempt's quantizing pass entry goes
+    into the report, so that ``report.why(layer)`` still says why the layer is not in int8.
+    """
+    quantize = next((p for p in attempt.passes if REGISTRY[p.name].quantizes), None)
+    reason = quantize.notes[0] if quantize is not None and quantize.notes else "the quantizing pass did not run"
+    message = (
+        f"precision='int8': no conv or linear stayed in int8 ({reason}), so this is the default "
+        "float32 call's result (precision='fp32'); report.why(<layer>) says why each layer is not in int8"
+    )
+    warnings.warn(f"graphopt: {message}", UserWarning, stacklevel=4)
+    optimized = optimize(model, example_inputs, **options)
+    report = optimized.graphopt_report
+    report.notes.insert(0, message)
+    report.warnings.append(message)
+    if quantize is not None:
+        report.passes.append(quantize)
+    return optimized
 
 
 def _check_verify(verify: Any) -> bool:

@@ -233,14 +233,23 @@ def test_a_layer_that_quantizes_badly_stays_in_float32_and_the_report_names_it()
         assert relative_error(model(x), fast(x)) <= 0.1
 
 
-def test_a_budget_no_layer_meets_keeps_the_float_graph() -> None:
+def test_a_budget_no_layer_meets_gives_the_default_float32_call_and_says_why() -> None:
     model = Block().eval()
     x = torch.randn(4, 3, 16, 16)
-    fast = graphopt.optimize(model, x, precision="int8", calibration=batches(1), accuracy=1e-7)
+    with pytest.warns(UserWarning, match="precision='int8': no conv or linear stayed in int8"):
+        fast = graphopt.optimize(model, x, precision="int8", calibration=batches(1), accuracy=1e-7)
     assert int8_layers(fast) == {}
+    default = graphopt.optimize(model, x)
+    # the default call's passes and result, then the int8 attempt's quantize_int8 entry, which says why per layer
+    assert [p.name for p in fast.graphopt_report.passes] == [p.name for p in default.graphopt_report.passes] + ["quantize_int8"]
+    assert fast.graphopt_report.notes[0].startswith("precision='int8': no conv or linear stayed in int8 (0 of 3 convs/linears in int8")
+    assert fast.graphopt_report.tolerance == default.graphopt_report.tolerance
     report = quantize_report(fast)
     assert not report.modified and len(report.skips) == 3
     assert all("over accuracy=1e-07" in skip.reason for skip in report.skips)
+    assert any("over accuracy=1e-07" in line for line in fast.graphopt_report.why("conv"))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), default(x))
 
 
 def test_layers_together_over_the_budget_go_back_to_float32_worst_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -451,7 +460,8 @@ def test_with_int8_dot_products_the_whole_graph_is_timed_and_int8_kept_only_wher
     assert "with its 3 int8 layers the graph runs 1.50x the float32 graph on the example" in quantize_report(fast).notes[0]
     # not faster as a whole: every layer stays in float32, each saying why
     monkeypatch.setattr(quantize, "compare_latency", graph_timing(1.01))
-    slow = graphopt.optimize(model, x, precision="int8", calibration=batches(2))
+    with pytest.warns(UserWarning, match="so this is the default float32 call's result"):
+        slow = graphopt.optimize(model, x, precision="int8", calibration=batches(2))
     assert int8_layers(slow) == {} and not quantize_report(slow).modified
     report = quantize_report(slow)
     assert report.notes[0].startswith("int8 left out: with its 3 int8 layers the graph measured 1.01x the float32 graph")
