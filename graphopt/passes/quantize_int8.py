@@ -230,13 +230,12 @@ def _adds_into(reader: Layer, node: fx.Node) -> bool:
     return isinstance(module, Int8Conv) and module.adds_in_kernel and reader.node.args[1:] == (node,) and reader.node.args[0] is not node
 
 
-def _unchain(chained: list[Layer], chosen: list[Layer]) -> None:
+def _unchain(chosen: list[Layer]) -> None:
     """Undo `_chain`: every chosen layer reads and writes float32 again."""
     for layer in chosen:
         module = layer.int8_module
         assert module is not None
-        if layer in chained:
-            module.output_quantization = None
+        module.output_quantization = None
         if isinstance(module, Int8Conv):
             module.accum_quantization = None
 
@@ -303,7 +302,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     chained = _chain(chosen)
     total = _error(gm, checks) if chosen else 0.0
     while chosen and total > ctx.accuracy:
-        _unchain(chained, chosen)
+        _unchain(chosen)
         worst = chosen.pop()
         _use(gm, worst, False)
         worst.reason = (
@@ -316,7 +315,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         float_s, int8_s = _graph_times(gm, chosen, ctx.example_inputs)
         speed = f"{float_s / int8_s:.2f}x the float32 graph on the example ({int8_s * 1e3:.2f} ms against {float_s * 1e3:.2f} ms)"
         if float_s < MIN_MEASURED_GAIN * int8_s:
-            _unchain(chained, chosen)
+            _unchain(chosen)
             for layer in chosen:
                 _use(gm, layer, False)
                 layer.reason = f"the graph with its int8 layers measured {speed}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
