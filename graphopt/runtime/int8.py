@@ -191,22 +191,19 @@ class Int8Conv(Int8Op):
             self.qweight, self.weight_scale, self.input_scale, self.input_zero_point, self.stride, self.padding, self.dilation, self.groups, self.input_size
         )
 
-    def accumulator(self, qx: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    def accumulator(self, qx: torch.Tensor, other: torch.Tensor, float_result: bool) -> tuple[torch.Tensor, float, int]:
         """The tensor the fused add accumulates into (and overwrites), with its scale and zero point.
 
         The kernel adds float into a float result and uint8 into a uint8 one: ``other`` itself where ``into_other``
-        and it can hold the result (`holds_conv_result`); else a channels_last copy, a uint8 ``other`` dequantized for
-        a float result, or a float ``other`` quantized to a uint8 result's levels (`quantize_int8` does not plan that).
+        and it can hold the result (`holds_conv_result`); else a channels_last copy, or a uint8 ``other``
+        dequantized for a float result.
         """
         if other.dtype == torch.uint8:
             assert self.accum_quantization is not None, "a uint8 operand of an int8 conv's add without its quantization"
             scale, zero_point = self.accum_quantization
-            if self.output_quantization is None:
+            if float_result:
                 return other.to(torch.float32, memory_format=torch.channels_last).sub_(zero_point).mul_(scale), 1.0, 0
             dtype = torch.uint8
-        elif self.output_quantization is not None:
-            scale, zero_point = self.output_quantization
-            return quantize_tensor(other.contiguous(memory_format=torch.channels_last), scale, zero_point, 255), scale, zero_point
         else:
             scale, zero_point, dtype = 1.0, 0, torch.float32
         if self.into_other and holds_conv_result(qx, other, dtype, self.qweight.shape[0], self.windows):
@@ -218,14 +215,19 @@ class Int8Conv(Int8Op):
         attr, _, algorithm = self.kernel_post_op
         quantized = (qx, self.input_scale, self.input_zero_point, self.packed_weight, self.weight_scale, self.weight_zero_point)
         geometry = (self.stride, self.padding, self.dilation, self.groups)
-        if other is not None and self.adds_in_kernel:
-            accum, accum_scale, accum_zero_point = self.accumulator(qx, other)
-            y = onednn.qconv2d_pointwise.binary(
-                *quantized, accum, self.bias, *geometry, *self.output, accum_scale, accum_zero_point, "sum", 1.0, attr, self.scalars, algorithm or "",
-            )  # fmt: skip
-            return self.finish(y, None)
-        y = onednn.qconv_pointwise(*quantized, self.bias, *geometry, *self.output, attr, self.scalars, algorithm or "")
-        return self.finish(y, other)
+        if other is None or not self.adds_in_kernel:
+            y = onednn.qconv_pointwise(*quantized, self.bias, *geometry, *self.output, attr, self.scalars, algorithm or "")
+            return self.finish(y, other)
+        # a float operand of a uint8 result (quantize_int8 does not plan one): the sum in float32, quantized after
+        requantize = other.dtype != torch.uint8 and self.output_quantization is not None
+        output = (1.0, 0, torch.float32) if requantize else self.output
+        accum, accum_scale, accum_zero_point = self.accumulator(qx, other, float_result=output[2] is not None)
+        y = onednn.qconv2d_pointwise.binary(
+            *quantized, accum, self.bias, *geometry, *output, accum_scale, accum_zero_point, "sum", 1.0, attr, self.scalars, algorithm or "",
+        )  # fmt: skip
+        if requantize:
+            return quantize_tensor(y, *self.output_quantization, self.input_max)  # type: ignore[misc]
+        return self.finish(y, None)
 
 
 class Int8Linear(Int8Op):

@@ -375,6 +375,19 @@ def test_int8_layers_write_uint8_for_int8_readers() -> None:
         assert int(layers["2"](layers["0"](x.contiguous(memory_format=torch.channels_last))).max()) <= layers["2"].input_max
 
 
+def test_int8_conv_writing_uint8_quantizes_a_float_operand_to_its_levels() -> None:
+    # quantize_int8 never plans this (a conv adding into float writes float), but the module computes it: the sum in
+    # float32 (negative parts of the operand count before the ReLU), then quantized
+    conv = Int8Conv(torch.randn(8, 4, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, [2, 4, 6, 6], 0.05, 0, PostOp("relu"), binary=True)
+    conv.output_quantization = (0.1, 0)
+    x, other = torch.rand(2, 4, 6, 6), torch.randn(2, 8, 6, 6)
+    kept = other.clone()
+    actual = conv(x, other)
+    levels = torch.clamp(torch.round(F.relu(reference_conv(conv, x) + other) / 0.1), 0, conv.input_max)
+    assert actual.dtype == torch.uint8 and (actual.float() - levels).abs().max() <= 1  # a level apart where rounding differs
+    assert torch.equal(other, kept)
+
+
 class Residual(nn.Module):
     """Two residual blocks (the first block's output is the second's conv input and the operand its conv adds into),
     then a projection block whose second conv adds into the first's output (ResNet's downsample), then a head."""
