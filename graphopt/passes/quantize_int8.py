@@ -240,11 +240,10 @@ def _unchain(chosen: list[Layer]) -> None:
             module.accum_quantization = None
 
 
-def _speed(layer: Layer) -> str:
-    """``1.20x its float32 kernel on the example (2.00 ms against 2.40 ms)``."""
-    assert layer.times is not None
-    float_s, int8_s = layer.times
-    return f"{float_s / int8_s:.2f}x its float32 kernel on the example ({int8_s * 1e3:.2f} ms against {float_s * 1e3:.2f} ms)"
+def _speed(times: tuple[float, float], what: str) -> str:
+    """``1.20x <what> on the example (2.00 ms against 2.40 ms)`` from (float32 seconds, int8 seconds)."""
+    float_s, int8_s = times
+    return f"{float_s / int8_s:.2f}x {what} on the example ({int8_s * 1e3:.2f} ms against {float_s * 1e3:.2f} ms)"
 
 
 def _kind(layer: Layer) -> str:
@@ -293,7 +292,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for layer, times in _speedups(gm, fast, ctx.example_inputs).items():
             layer.times = times
             if times[0] < MIN_MEASURED_GAIN * times[1]:
-                layer.reason = f"int8 measured {_speed(layer)}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+                layer.reason = f"int8 measured {_speed(times, 'its float32 kernel')}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
 
     # the chosen layers in int8, passing uint8 where they can; while over the budget, the worst goes back to float32
     chosen = sorted((layer for layer in layers if layer.reason is None), key=lambda layer: layer.error)
@@ -313,7 +312,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         total = _error(gm, checks) if chosen else 0.0
     if chosen:
         float_s, int8_s = _graph_times(gm, chosen, ctx.example_inputs)
-        speed = f"{float_s / int8_s:.2f}x the float32 graph on the example ({int8_s * 1e3:.2f} ms against {float_s * 1e3:.2f} ms)"
+        speed = _speed((float_s, int8_s), "the float32 graph")
         if float_s < MIN_MEASURED_GAIN * int8_s:
             _unchain(chosen)
             for layer in chosen:
@@ -329,7 +328,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             op = "onednn.qconv_pointwise" if isinstance(layer.int8_module, Int8Conv) else "onednn.qlinear_pointwise"
             output = ", uint8 output for its int8 readers" if layer in chained else ""
-            speed = f"; {_speed(layer)}" if layer.times is not None else ""
+            speed = f"; {_speed(layer.times, 'its float32 kernel')}" if layer.times is not None else ""
             report.rewrite(layer.node, f"{_kind(layer)} -> {op} (int8{output}; alone it changes the output by {layer.error:.1e} of its scale{speed})")
     report.notes.append(
         f"{len(chosen)} of {len(layers)} convs/linears in int8 (activations: {activation_levels()} levels, calibrated on "

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt.runtime.onednn import NO_POST_OP, PostOp, WeightInStateDict, aten_post_op, holds_conv_result
+from graphopt.runtime.onednn import NO_POST_OP, PostOp, WeightInStateDict, aten_post_op, conv_windows, holds_conv_result
 
 onednn = torch.ops.onednn
 
@@ -183,7 +183,7 @@ class Int8Conv(Int8Op):
         input_size: list[int], input_scale: float, input_zero_point: int, post_op: PostOp = NO_POST_OP, binary: bool = False,
     ) -> None:  # fmt: skip
         self.padding, self.stride, self.dilation, self.groups, self.input_size = padding, stride, dilation, groups, input_size
-        self.windows = list(zip(weight.shape[2:], padding, stride, dilation))  # (kernel, pad, stride, dilation) per spatial dim
+        self.windows = conv_windows(weight, padding, stride, dilation)
         super().__init__(weight, bias, input_scale, input_zero_point, post_op, binary)
 
     def pack(self) -> None:
@@ -221,7 +221,7 @@ class Int8Conv(Int8Op):
         # a float operand of a uint8 result (quantize_int8 does not plan one): the sum in float32, quantized after
         requantize = other.dtype != torch.uint8 and self.output_quantization is not None
         output = (1.0, 0, torch.float32) if requantize else self.output
-        accum, accum_scale, accum_zero_point = self.accumulator(qx, other, float_result=output[2] is not None)
+        accum, accum_scale, accum_zero_point = self.accumulator(qx, other, float_result=requantize or self.output_quantization is None)
         y = onednn.qconv2d_pointwise.binary(
             *quantized, accum, self.bias, *geometry, *output, accum_scale, accum_zero_point, "sum", 1.0, attr, self.scalars, algorithm or "",
         )  # fmt: skip

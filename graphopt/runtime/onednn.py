@@ -112,11 +112,19 @@ class Prepacked(WeightInStateDict):
         self.pack(dense)
 
 
-def holds_conv_result(x: torch.Tensor, other: torch.Tensor, dtype: torch.dtype, out_channels: int, windows: list[tuple[int, int, int, int]]) -> bool:
+Windows = list[tuple[int, int, int, int]]  # a conv's (kernel, pad, stride, dilation) per spatial dimension
+
+
+def conv_windows(weight: torch.Tensor, padding: list[int], stride: list[int], dilation: list[int]) -> Windows:
+    """The (kernel, pad, stride, dilation) of each spatial dimension of a conv with ``weight``."""
+    return list(zip(weight.shape[2:], padding, stride, dilation))
+
+
+def holds_conv_result(x: torch.Tensor, other: torch.Tensor, dtype: torch.dtype, out_channels: int, windows: Windows) -> bool:
     """Whether ``other`` can take a conv's result of ``dtype`` in place: that shape and dtype, stored densely in
     channels_last (the layout oneDNN writes for a channels_last ``x``), and not ``x``'s memory.
 
-    ``windows``: (kernel, pad, stride, dilation) per spatial dimension.
+    ``windows``: `conv_windows`.
     """
     memory_format = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
     if other.dtype != dtype or not x.is_contiguous(memory_format=memory_format) or not other.is_contiguous(memory_format=memory_format):
@@ -145,7 +153,7 @@ class OneDNNConv(Prepacked):
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.input_size = input_size  # oneDNN chooses the packed layout for this input shape; other shapes work too
         self.out_channels = weight.shape[0]
-        self.windows = list(zip(weight.shape[2:], padding, stride, dilation))  # (kernel, pad, stride, dilation) per spatial dim
+        self.windows = conv_windows(weight, padding, stride, dilation)
         super().__init__(weight, bias, post_op, binary)
 
     def holds_result(self, x: torch.Tensor, other: torch.Tensor) -> bool:

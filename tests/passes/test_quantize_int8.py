@@ -249,7 +249,8 @@ def test_a_budget_no_layer_meets_gives_the_default_float32_call_and_says_why() -
     assert all("over accuracy=1e-07" in skip.reason for skip in report.skips)
     assert any("over accuracy=1e-07" in line for line in fast.graphopt_report.why("conv"))
     with torch.no_grad():
-        torch.testing.assert_close(fast(x), default(x))
+        for other in (x, torch.randn(7, 3, 16, 16)):  # the example and another batch
+            torch.testing.assert_close(fast(other), default(other))
 
 
 def test_layers_together_over_the_budget_go_back_to_float32_worst_first(monkeypatch: pytest.MonkeyPatch) -> None:
