@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test fuzz demo notebooks bench bench-reference bench-transformers bench-deploy bench-gpu clean
+.PHONY: venv test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-deploy bench-gpu clean
 
 venv: $(STAMP)
 
@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest
+
+# Chromium for the drawn diff's screenshot test and for PNG drawings: Debian's package, installed where make runs as
+# root with apt-get (a fresh CI machine); elsewhere the test is skipped and says why (apt-get install chromium).
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ -n "$$GRAPHOPT_BROWSER" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } \
+		|| echo "no Chromium (apt-get install chromium): the screenshot test will be skipped"
 
 # The property-based test with 500 random models per preset (make test runs a bounded number).
 fuzz: $(STAMP)
@@ -73,6 +80,10 @@ bench-deploy: $(BENCH_STAMP)
 bench-gpu: $(BENCH_STAMP)
 	timeout 470 $(VENV)/bin/graphopt bench --device cuda --models reference --batch 64 --time-budget 5 \
 		--output-dir bench-results/gpu $(BENCH_ARGS)
+
+# The pictures in docs/ (README, notebook 02): the drawn diff of the small reference ResNet, taken by headless Chromium.
+docs-pictures: $(STAMP) browser
+	$(VENV)/bin/graphopt diff graphopt.models:resnet_small --input 8x3x64x64 --no-progress --drawing docs/graph-diff.png > /dev/null
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

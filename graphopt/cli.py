@@ -5,7 +5,7 @@
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 --save model.pt2 [--package model-aoti.pt2]
     graphopt run model.pt2 [--input 4x3x224x224] [--rounds 20]   (a graphopt.save file or an AOTInductor package)
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
-    graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html]
+    graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html] [--drawing diff.png]
     graphopt lint train.py [--fix] [--format json]
     graphopt demo [--model resnet]
     graphopt bench [--models reference|anchors|NAME,...|MODULE:FACTORY] [--quick] [--output-dir DIR]
@@ -46,6 +46,7 @@ from graphopt.bench.results import to_markdown
 from graphopt.bench.suite import QUICK_MODELS, Settings, run_suite
 from graphopt.bench.variants import variants as bench_variants
 from graphopt.diff import diff as graph_diff_of
+from graphopt.drawing import FOLDS, SAVE_SUFFIXES
 from graphopt.dynamic import DEFAULT, POLICIES
 from graphopt.lint import check_source, fix_source
 from graphopt.timing import median_latencies
@@ -255,6 +256,8 @@ def _passes_for_diff(args: argparse.Namespace) -> list[str] | None:
 
 
 def _command_diff(args: argparse.Namespace) -> int:
+    if args.drawing and Path(args.drawing).suffix.lower() not in SAVE_SUFFIXES:
+        raise UsageError(f"--drawing: {Path(args.drawing).name!r} is not a .svg, .html or .png path")
     model, inputs = _model_and_inputs(args)
     passes = _passes_for_diff(args)
     optimized = optimize(
@@ -268,6 +271,8 @@ def _command_diff(args: argparse.Namespace) -> int:
     print(graph_diff)
     if args.html:
         print(f"HTML diff written to {graph_diff.to_html(args.html)}")
+    if args.drawing:
+        print(f"drawing written to {graph_diff.draw(args.fold, args.expand or ()).save(args.drawing)}")
     return 0
 
 
@@ -468,7 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--mode", choices=("inference", "training"), default="inference")
     show.add_argument("--memory-format", choices=MEMORY_FORMATS, default="auto")
     show.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    show.add_argument("--html", metavar="PATH", help="also write a self-contained HTML diff")
+    show.add_argument("--html", metavar="PATH", help="also write a self-contained HTML diff: the drawn graph, op counts, side by side")
+    show.add_argument("--drawing", metavar="PATH", help="also write the drawn graph alone: .svg, .html, or .png (needs Chromium)")
+    show.add_argument("--fold", choices=FOLDS, default="auto", help="the drawing's folding: unchanged modules and, on large graphs, "
+                      "modules at the deepest level that fits (auto), unchanged modules only, or none")
+    show.add_argument("--expand", action="append", metavar="MODULE", help="keep this module open in the drawing (repeatable)")
     show.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     show.add_argument("--no-progress", action="store_true", help="no status line on stderr (shown on a terminal only anyway)")
     show.set_defaults(handler=_command_diff)

@@ -6,19 +6,23 @@ a surviving node keeps its name — plus the rewrites and skips the passes recor
 node whose parameters a pass rewrote (a conv with a BatchNorm folded in) is "changed"
 even though its call looks the same, and every skip says why a candidate was left alone.
 
-Renderings: ``str()`` for terminals (coloured on a TTY unless NO_COLOR is set),
-``_repr_html_`` for Jupyter, ``to_html(path)`` for one self-contained file (no network),
-``to_dot()`` and ``to_svg()`` (the latter runs Graphviz's ``dot`` when installed).
+Renderings: ``str()`` for terminals (coloured on a TTY unless NO_COLOR is set);
+``_repr_html_`` for Jupyter and ``to_html(path)`` for one self-contained file (no network,
+no scripts): the drawn graph (`graphopt.drawing`), the op counts and the two graphs side by
+side, corresponding nodes on one row; ``draw()``/``to_svg()`` for the drawing alone;
+``to_dot()`` for Graphviz.
 """
 
 from __future__ import annotations
 
 import collections
+import difflib
+import functools
 import html
+import itertools
 import os
-import shutil
-import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphopt.drawing import Drawing, draw
 from graphopt.errors import GraphoptError
 from graphopt.report import Skip, describe, target_name
 
@@ -84,23 +89,47 @@ class GraphDiff:
     after: list[NodeInfo]
     rewritten: dict[str, str] = field(default_factory=dict)  # node name -> what a pass did to it
     skips: list[Skip] = field(default_factory=list)
+    origin: dict[str, str] = field(default_factory=dict)  # node name -> the pass that removed or added it
+
+    @functools.cached_property
+    def pairs(self) -> dict[str, str]:
+        """Surviving nodes: after-name -> before-name.
+
+        A node keeps its name through a pass; a module a pass replaced at the same path (a Conv2d
+        swapped for a oneDNN conv) is the same node under a new name, where one node on each side calls it.
+        """
+        before_names = {n.name for n in self.before}
+        pairs = {n.name: n.name for n in self.after if n.name in before_names}
+        gone = collections.defaultdict(list)
+        for node in self.before:
+            if node.name not in pairs and node.op == "call_module":
+                gone[node.where].append(node.name)
+        new = collections.defaultdict(list)
+        for node in self.after:
+            if node.name not in pairs and node.op == "call_module":
+                new[node.where].append(node.name)
+        for where, names in new.items():
+            if len(names) == 1 and len(gone.get(where, ())) == 1:
+                pairs[names[0]] = gone[where][0]
+        return pairs
 
     @property
     def removed(self) -> list[NodeInfo]:
-        names = {n.name for n in self.after}
-        return [n for n in self.before if n.name not in names]
+        kept = set(self.pairs.values())
+        return [n for n in self.before if n.name not in kept]
 
     @property
     def added(self) -> list[NodeInfo]:
-        names = {n.name for n in self.before}
-        return [n for n in self.after if n.name not in names]
+        pairs = self.pairs
+        return [n for n in self.after if n.name not in pairs]
 
     @property
     def changed(self) -> list[NodeInfo]:
         before = {n.name: n for n in self.before}
+        pairs = self.pairs
         return [
             n for n in self.after
-            if n.name in before and (n.name in self.rewritten or n.signature() != before[n.name].signature())
+            if n.name in pairs and (self.why(n) or n.signature() != before[pairs[n.name]].signature())
         ]
 
     def op_counts(self) -> list[tuple[str, int, int]]:
@@ -112,8 +141,10 @@ class GraphDiff:
         ops = sorted(set(before) | set(after), key=lambda op: (-abs(after[op] - before[op]), op))
         return [(op, before[op], after[op]) for op in ops]
 
-    def _why(self, node: NodeInfo) -> str:
-        return self.rewritten.get(node.name, "")
+    def why(self, node: NodeInfo) -> str:
+        """What a pass recorded doing to ``node`` (under its name before or after a replacement), or ""."""
+        names = dict.fromkeys((self.pairs.get(node.name, node.name), node.name))  # before the replacement first
+        return "; ".join(self.rewritten[name] for name in names if name in self.rewritten)
 
     # ------------------------------------------------------------------ text
 
@@ -130,7 +161,7 @@ class GraphDiff:
         width = max([len(n.where) for n in [*removed, *added, *changed]] or [0])
         for mark, label, nodes, colour in (("-", "removed", removed, "31"), ("+", "added", added, "32"), ("~", "changed", changed, "33")):
             for node in nodes:
-                why = f"  ({self._why(node)})" if self._why(node) else ""
+                why = f"  ({self.why(node)})" if self.why(node) else ""
                 lines.append(paint(f"{mark} {label:<8}{node.where:<{width}}  {node.detail()}{why}", colour))
         if self.skips:
             lines.append("left alone:")
@@ -144,50 +175,82 @@ class GraphDiff:
 
     # ------------------------------------------------------------------ html
 
+    def draw(self, fold: str = "auto", expand: Iterable[str] = ()) -> Drawing:
+        """The diff drawn as one merged graph (SVG, no system binary); see `graphopt.drawing`."""
+        return draw(self, fold, expand)
+
+    def rows(self) -> list[tuple[NodeInfo | None, NodeInfo | None]]:
+        """The side-by-side view: (before, after) per row, corresponding nodes on one row, weight reads left out."""
+        before = [n for n in self.before if n.op != "get_attr"]
+        after = [n for n in self.after if n.op != "get_attr"]
+        before_keys = [n.name for n in before]
+        after_keys = [self.pairs.get(n.name, "+" + n.name) for n in after]  # "+": never a before-name
+        rows: list[tuple[NodeInfo | None, NodeInfo | None]] = []
+        matcher = difflib.SequenceMatcher(None, before_keys, after_keys, autojunk=False)
+        for tag, b0, b1, a0, a1 in matcher.get_opcodes():
+            if tag == "equal":
+                rows += zip(before[b0:b1], after[a0:a1])
+            else:
+                rows += [(node, None) for node in before[b0:b1]] + [(None, node) for node in after[a0:a1]]
+        return rows
+
     def _repr_html_(self) -> str:
         esc = html.escape
-        removed = {n.name for n in self.removed}
-        added = {n.name for n in self.added}
-        changed = {n.name for n in self.changed}
+        removed, added, changed = len(self.removed), len(self.added), {n.name for n in self.changed}
         counts = "".join(
             f'<tr class="{"d" if b != a else ""}"><td>{esc(op)}</td><td>{b}</td><td>{a}</td></tr>' for op, b, a in self.op_counts()
         )
+        weights = {n.name: n.target for n in [*self.before, *self.after] if n.op == "get_attr"}
 
-        def column(nodes: list[NodeInfo], marks: dict[str, str]) -> str:
-            groups: dict[str, list[NodeInfo]] = collections.defaultdict(list)
-            for node in nodes:
-                groups[node.where.split(".")[0].split(":")[0]].append(node)
-            blocks = []
-            for group, members in groups.items():
-                touched = any(n.name in marks for n in members)
-                rows = "".join(
-                    f'<tr class="{marks.get(n.name, "")}"><td>{esc(n.where)}</td><td>{esc(n.detail())}</td>'
-                    f"<td>{esc(self._why(n))}</td></tr>"
-                    for n in members
-                )
-                open_attr = " open" if touched else ""
-                blocks.append(
-                    f"<details{open_attr}><summary>{esc(group)} ({len(members)})</summary><table>{rows}</table></details>"
-                )
-            return "".join(blocks)
+        def cell(node: NodeInfo | None) -> str:
+            if node is None:
+                return "<td></td><td></td>"
+            reads = [weights[name] for name in node.inputs if name in weights]
+            detail = node.detail() + (f" (reads {', '.join(reads)})" if reads else "")
+            return f"<td>{esc(node.where)}</td><td>{esc(detail)}</td>"
 
-        before_marks = {name: "removed" for name in removed} | {name: "changed" for name in changed}
-        after_marks = {name: "added" for name in added} | {name: "changed" for name in changed}
+        def status(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
+            old, new = pair
+            return "removed" if new is None else "added" if old is None else "changed" if new.name in changed else ""
+
+        def group(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
+            """The top-level module a row belongs to ("" for the model's own nodes)."""
+            node = pair[0] or pair[1]
+            assert node is not None
+            path = node.where.split(":")[0].split(".")
+            return path[0] if len(path) > 1 or ":" in node.where else ""
+
+        blocks = []
+        for name, run in itertools.groupby(self.rows(), key=group):
+            pairs = list(run)
+            marks = [status(pair) for pair in pairs]
+            body = "".join(
+                f'<tr class="{mark}">{cell(old)}{cell(new)}<td>{esc(self.why(new) if new else "")}</td></tr>'
+                for (old, new), mark in zip(pairs, marks)
+            )
+            open_attr = " open" if any(marks) else ""
+            counts = collections.Counter(marks)
+            summary = ", ".join(f"{counts[m]} {m}" for m in ("removed", "added", "changed") if counts[m]) or "unchanged"
+            blocks.append(f"<details{open_attr}><summary>{esc(name or 'top level')} ({len(pairs)} rows: {summary})</summary><table class=\"rows\">{_COLUMNS}{body}</table></details>")
         skips = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in self.skips)
+        drawing = self.draw()
+        every = ""
+        if drawing.folded:
+            every = f"<details><summary>every node ({len(self.after)} after, {removed} removed)</summary>{self.draw(fold='none')._repr_html_()}</details>"
         return (
             f'<div class="graphopt-diff"><style>{_CSS}</style>'
             f"<h3>{esc(self.title)}: {len(self.before)} &rarr; {len(self.after)} nodes "
-            f'(<span class="removed">-{len(removed)}</span> <span class="added">+{len(added)}</span> '
+            f'(<span class="removed">-{removed}</span> <span class="added">+{added}</span> '
             f'<span class="changed">~{len(changed)}</span>)</h3>'
-            f"<table><tr><th>op</th><th>before</th><th>after</th></tr>{counts}</table>"
-            f'<div class="sides"><div><h4>before</h4>{column(self.before, before_marks)}</div>'
-            f"<div><h4>after</h4>{column(self.after, after_marks)}</div></div>"
+            f"{drawing._repr_html_()}{every}"
+            f"<h4>op counts</h4><table><tr><th>op</th><th>before</th><th>after</th></tr>{counts}</table>"
+            f"<h4>side by side</h4>{''.join(blocks)}"
             + (f"<h4>left alone</h4><ul>{skips}</ul>" if skips else "")
             + "</div>"
         )
 
     def to_html(self, path: str | os.PathLike[str]) -> Path:
-        """Write one self-contained HTML file (inline CSS, no scripts, no network) and return its path."""
+        """Write one self-contained HTML file (inline CSS and SVG, no scripts, no network) and return its path."""
         destination = Path(path)
         destination.write_text(
             f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(self.title)}</title></head>"
@@ -195,6 +258,10 @@ class GraphDiff:
             encoding="utf-8",
         )
         return destination
+
+    def to_svg(self, fold: str = "auto", expand: Iterable[str] = ()) -> str:
+        """The drawing as an SVG document (see `draw`)."""
+        return self.draw(fold, expand).svg
 
     # ------------------------------------------------------------------ graphviz
 
@@ -212,16 +279,6 @@ class GraphDiff:
         lines.append("}")
         return "\n".join(lines)
 
-    def to_svg(self) -> str:
-        """The DOT graph rendered by Graphviz's ``dot`` program."""
-        dot = shutil.which("dot")
-        if dot is None:
-            raise GraphoptError(
-                "to_svg needs Graphviz's 'dot' program, which is not installed (apt-get install graphviz, or your "
-                "platform's package); to_dot() gives the graph as text without it, to_html() renders without Graphviz"
-            )
-        return subprocess.run([dot, "-Tsvg"], input=self.to_dot(), capture_output=True, text=True, check=True).stdout
-
 
 def _ansi(text: str, colour: str) -> str:
     return f"\033[{colour}m{text}\033[0m"
@@ -232,7 +289,11 @@ _CSS = (
     ".graphopt-diff td,.graphopt-diff th{padding:1px 6px;text-align:left}.graphopt-diff .sides{display:flex;gap:16px}"
     ".graphopt-diff .sides>div{flex:1;min-width:0}.graphopt-diff .removed{background:#f7c5c5}"
     ".graphopt-diff .added{background:#c8f7c5}.graphopt-diff .changed{background:#fff3b0}.graphopt-diff tr.d{font-weight:bold}"
+    ".graphopt-diff table.rows{table-layout:fixed;width:100%}.graphopt-diff table.rows td{overflow-wrap:anywhere;vertical-align:top}"
 )
+# the same column widths in every group's table, so the groups line up: before (module, op), after (module, op), why
+_COLUMNS = '<colgroup><col style="width:14%"><col style="width:22%"><col style="width:14%"><col style="width:22%"><col></colgroup>'
+
 
 
 def diff(before: Any, after: Any = None) -> GraphDiff:
@@ -245,9 +306,12 @@ def diff(before: Any, after: Any = None) -> GraphDiff:
         if not hasattr(before, "graphopt_report"):
             raise GraphoptError("diff(model) needs a module returned by graphopt.optimize; to compare two graphs, pass both")
         report = before.graphopt_report
-        rewritten = {r.node: r.detail for p in report.passes for r in p.rewrites if r.node}
+        rewritten: dict[str, str] = {}
+        for r in (r for p in report.passes for r in p.rewrites if r.node):
+            rewritten[r.node] = f"{rewritten[r.node]}; {r.detail}" if r.node in rewritten else r.detail
         skips = [s for p in report.passes for s in p.skips]
-        return GraphDiff("all passes", list(report.captured_nodes), snapshot(before.graph), rewritten, skips)
+        origin = {change.name: p.name for p in report.passes for change in [*p.erased, *p.created]}
+        return GraphDiff("all passes", list(report.captured_nodes), snapshot(before.graph), rewritten, skips, origin)
     return GraphDiff("graphs", snapshot(_graph_of(before)), snapshot(_graph_of(after)))
 
 

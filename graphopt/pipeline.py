@@ -306,7 +306,10 @@ def run_passes(
         error = report.max_error if report.max_error is not None else error
         gradient_error = report.gradient_error if report.gradient_error is not None else gradient_error
         reports.append(report)
-        diffs[info.name] = GraphDiff(info.name, before_nodes, snapshot(gm.graph), {r.node: r.detail for r in report.rewrites}, report.skips)
+        origin = {change.name: info.name for change in [*report.created, *report.erased]}
+        diffs[info.name] = GraphDiff(
+            info.name, before_nodes, snapshot(gm.graph), {r.node: r.detail for r in report.rewrites}, report.skips, origin
+        )
     second = None
     if verifier is not None and verifier.second is not None:
         second = _verify("", gm, verifier, verifier.second, None, compute_dtype, _removed_parameters(reports))

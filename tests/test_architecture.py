@@ -28,7 +28,7 @@ LAYERS = {
     "runtime": ("graphopt.runtime",),
     "ops": ("graphopt.ops",),
     "foundations": (
-        "graphopt.verify", "graphopt.inputs", "graphopt.dynamic", "graphopt.report", "graphopt.diff", "graphopt.checkpoint", "graphopt.errors",
+        "graphopt.verify", "graphopt.inputs", "graphopt.dynamic", "graphopt.report", "graphopt.diff", "graphopt.drawing", "graphopt.browser", "graphopt.checkpoint", "graphopt.errors",
         "graphopt.timing", "graphopt.prefetch", "graphopt.progress", "graphopt.models",
     ),
 }  # fmt: skip

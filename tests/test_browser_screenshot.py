@@ -1,0 +1,64 @@
+"""The HTML diff of ResNet-50 in a real browser: headless Chromium renders it, a screenshot shows the drawing.
+
+Skipped, with the reason, where no browser can start (``make test`` installs Debian's Chromium
+where it runs as root with apt-get; elsewhere: apt-get install chromium, or set GRAPHOPT_BROWSER).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+import graphopt
+from graphopt.browser import headless_page
+from graphopt.models import resnet50
+
+REMOVED_FILL, CHANGED_FILL = (0xF7, 0xC5, 0xC5), (0xFF, 0xF3, 0xB0)
+
+
+def page_or_skip(stack: contextlib.ExitStack) -> Any:
+    """A headless page held open by ``stack``, or the test skipped with the reason none could start."""
+    try:
+        return stack.enter_context(headless_page(1400, 1000))
+    except graphopt.GraphoptError as error:
+        pytest.skip(f"no headless browser here: {error}")
+
+
+@pytest.mark.slow
+def test_resnet50_html_diff_renders_in_a_headless_browser(tmp_path: Path) -> None:
+    with contextlib.ExitStack() as stack:
+        page = page_or_skip(stack)
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+
+        optimized = graphopt.optimize(resnet50().eval(), torch.randn(1, 3, 224, 224))
+        whole = graphopt.diff(optimized)
+        page.goto(whole.to_html(tmp_path / "resnet50.html").resolve().as_uri())
+
+        drawings = page.locator("svg.gd")
+        assert drawings.count() == 2  # folded, and every node (in a closed <details>)
+        folded = drawings.nth(0)
+        box = folded.bounding_box()
+        assert box is not None and box["width"] > 300 and box["height"] > 1000
+        assert 20 <= folded.locator("g.node").count() <= graphopt.drawing.MAX_BOXES
+        assert folded.locator("g.node.folded-changed").count() == 16  # the bottleneck blocks, each summed up
+        assert folded.locator("g.node.removed").count() >= 1 and "removed by fold_conv_bn" in folded.text_content()
+
+        page.locator("summary", has_text="every node").click()
+        every = drawings.nth(1)
+        drawn = len([n for n in whole.after if n.op != "get_attr"]) + len([n for n in whole.removed if n.op != "get_attr"])
+        assert every.locator("g.node").count() == drawn and every.bounding_box()["height"] > 5000
+        assert page.locator("details summary", has_text="layer1").count() == 1  # the side-by-side rows, by module
+
+        picture = tmp_path / "resnet50.png"
+        folded.screenshot(path=str(picture))
+        assert errors == []
+    colours = {colour for _, colour in Image.open(picture).convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert REMOVED_FILL in colours and CHANGED_FILL in colours  # drawn, not a blank page
+
