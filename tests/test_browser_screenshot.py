@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 import graphopt
+from graphopt import cli
 from graphopt.browser import headless_page
 from graphopt.models import resnet50
 
@@ -62,3 +63,19 @@ def test_resnet50_html_diff_renders_in_a_headless_browser(tmp_path: Path) -> Non
     colours = {colour for _, colour in Image.open(picture).convert("RGB").getcolors(maxcolors=1 << 20)}
     assert REMOVED_FILL in colours and CHANGED_FILL in colours  # drawn, not a blank page
 
+
+@pytest.mark.slow
+def test_the_docs_picture_is_what_make_docs_pictures_draws(tmp_path: Path) -> None:
+    """README and notebook 02 show docs/graph-diff.png; the project's own command redraws it at the same size."""
+    root = Path(__file__).resolve().parent.parent
+    picture = root / "docs" / "graph-diff.png"
+    assert "](docs/graph-diff.png)" in (root / "README.md").read_text()
+    assert "](../docs/graph-diff.png)" in (root / "notebooks" / "02_graph_diffs.ipynb").read_text()
+    recipe = next(line for line in (root / "Makefile").read_text().splitlines() if "--drawing docs/graph-diff.png" in line)
+    argv = recipe.split("graphopt ", 1)[1].split(">")[0].split()
+    redrawn = tmp_path / "graph-diff.png"
+    argv[argv.index("docs/graph-diff.png")] = str(redrawn)
+    with contextlib.ExitStack() as stack:
+        page_or_skip(stack)  # the command would fail the same way without a browser
+    assert cli.main(argv) == 0
+    assert Image.open(redrawn).size == Image.open(picture).size  # the same layout: run `make docs-pictures` after a change

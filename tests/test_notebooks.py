@@ -23,3 +23,7 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [output for cell in notebook.cells for output in cell.get("outputs", []) if output.get("output_type") == "error"]
     assert errors == []
+    if path.stem == "01_quickstart":  # graphopt.diff(fast) shows the drawn graph, the folded BatchNorms marked removed
+        pages = [output["data"]["text/html"] for cell in notebook.cells for output in cell.get("outputs", []) if "text/html" in output.get("data", {})]
+        drawn = [page for page in pages if '<svg xmlns="http://www.w3.org/2000/svg" class="gd"' in page]
+        assert drawn and '<g class="node removed" data-name="stem_bn">' in drawn[0] and "removed by fold_conv_bn" in drawn[0]
