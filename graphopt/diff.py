@@ -209,9 +209,14 @@ class GraphDiff:
             detail = node.detail() + (f" (reads {', '.join(reads)})" if reads else "")
             return f"<td>{esc(node.where)}</td><td>{esc(detail)}</td>"
 
+        kept = set(self.pairs.values())
+
         def status(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
+            """A surviving node the graph moved sits on two rows, unmarked."""
             old, new = pair
-            return "removed" if new is None else "added" if old is None else "changed" if new.name in changed else ""
+            if new is None or old is None:
+                return "removed" if new is None and old.name not in kept else "added" if old is None and new.name not in self.pairs else ""
+            return "changed" if new.name in changed else ""
 
         def group(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
             """The top-level module a row belongs to ("" for the model's own nodes)."""

@@ -163,3 +163,14 @@ def test_a_pass_created_node_without_a_module_folds_with_the_module_it_reads_fro
     boxes = nodes_of(diff.draw().svg)
     assert set(boxes) == {"x", "/enc", "out"}  # sdpa, created with no module, went into the module it reads from
     assert "sdpa" in boxes["/enc"].find(f"{SVG}title").text and texts(boxes["/enc"])[1:] == ["4 nodes folded", "-1 removed, +2 added"]
+
+
+def test_a_node_the_graph_moved_sits_on_two_rows_unmarked() -> None:
+    x = _node("x", "x", "x", op="placeholder")
+    before = [x, _node("a", "ReLU", "a", ("x",)), _node("b", "GELU", "b", ("x",)), _node("out", "output", "out", ("a", "b"), "output")]
+    after = [x, before[2], before[1], before[3]]
+    diff = GraphDiff("moved", before, after)
+    assert diff.removed == diff.added == diff.changed == []
+    assert [(old and old.name, new and new.name) for old, new in diff.rows()] == [("x", "x"), (None, "b"), ("a", "a"), ("b", None), ("out", "out")]
+    page = diff._repr_html_()
+    assert '<tr class="removed">' not in page and '<tr class="added">' not in page and page.count('<tr class="">') == 5
