@@ -268,9 +268,8 @@ def _boxes(
         source, target = box_of(link.source), box_of(link.target)
         if source == target:
             continue
-        existing = merged.get((source, target))
-        if existing is None or existing.removed:  # a kept edge wins over a removed one between the same boxes
-            merged[source, target] = _Link(source, target, link.removed and (existing is None or existing.removed))
+        removed = link.removed and merged.get((source, target), link).removed  # a kept edge between two boxes wins
+        merged[source, target] = _Link(source, target, removed)
     return boxes, list(merged.values())
 
 
