@@ -80,7 +80,7 @@ def snapshot(graph: fx.Graph) -> list[NodeInfo]:
     return [NodeInfo.of(node) for node in graph.nodes]
 
 
-@dataclass
+@dataclass(repr=False)  # the node lists would fill a notebook's plain-text output
 class GraphDiff:
     """Nodes removed, added and changed between two graphs, and why candidates were left alone."""
 
@@ -132,6 +132,12 @@ class GraphDiff:
             if n.name in pairs and (self.why(n) or n.signature() != before[pairs[n.name]].signature())
         ]
 
+    def __repr__(self) -> str:
+        return f"<GraphDiff {self.title}: {self._counts()}>"
+
+    def _counts(self) -> str:
+        return f"{len(self.before)} -> {len(self.after)} nodes (-{len(self.removed)} +{len(self.added)} ~{len(self.changed)})"
+
     def op_counts(self) -> list[tuple[str, int, int]]:
         """(op, count before, count after) for every op that computes, most changed first."""
         def count(nodes: list[NodeInfo]) -> collections.Counter[str]:
@@ -151,10 +157,7 @@ class GraphDiff:
     def render_text(self, color: bool = False) -> str:
         paint = _ansi if color else (lambda text, _: text)
         removed, added, changed = self.removed, self.added, self.changed
-        lines = [
-            f"graphopt diff: {self.title}: {len(self.before)} -> {len(self.after)} nodes "
-            f"(-{len(removed)} +{len(added)} ~{len(changed)})"
-        ]
+        lines = [f"graphopt diff: {self.title}: {self._counts()}"]
         counts = [f"{op} {b}->{a}" for op, b, a in self.op_counts() if b != a]
         if counts:
             lines.append("op counts: " + ", ".join(counts))

@@ -91,7 +91,7 @@ class _Link:
     points: list[tuple[float, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(repr=False)
 class Drawing:
     """A laid-out diff: ``svg`` (the picture), ``boxes`` drawn and the modules ``folded`` into one box each.
 
@@ -102,6 +102,9 @@ class Drawing:
     svg: str
     boxes: int
     folded: list[str]
+
+    def __repr__(self) -> str:  # not the SVG: a notebook keeps this beside the picture
+        return f"<Drawing: {self.boxes} boxes, {len(self.folded)} modules folded>"
 
     def _repr_html_(self) -> str:
         return f'<div style="max-height:720px;overflow:auto">{self.svg}</div>'

@@ -174,3 +174,10 @@ def test_a_node_the_graph_moved_sits_on_two_rows_unmarked() -> None:
     assert [(old and old.name, new and new.name) for old, new in diff.rows()] == [("x", "x"), (None, "b"), ("a", "a"), ("b", None), ("out", "out")]
     page = diff._repr_html_()
     assert '<tr class="removed">' not in page and '<tr class="added">' not in page and page.count('<tr class="">') == 5
+
+
+def test_plain_text_forms_are_short() -> None:
+    """Jupyter keeps text/plain beside the HTML: a summary, not the node lists or the SVG."""
+    diff = fold_diff(Net())
+    assert repr(diff) == "<GraphDiff fold_conv_bn: 9 -> 8 nodes (-1 +0 ~1)>"
+    assert repr(diff.draw()) == "<Drawing: 6 boxes, 1 modules folded>"
