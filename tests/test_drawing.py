@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import sys
 import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +183,14 @@ def test_plain_text_forms_are_short() -> None:
     diff = fold_diff(Net())
     assert repr(diff) == "<GraphDiff fold_conv_bn: 9 -> 8 nodes (-1 +0 ~1)>"
     assert repr(diff.draw()) == "<Drawing: 6 boxes, 1 modules folded>"
+
+
+def test_a_png_without_playwright_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "playwright.sync_api", None)  # import fails as if not installed
+    drawing = fold_diff(Net()).draw()
+    with pytest.raises(graphopt.GraphoptError, match=r"need Playwright: pip install playwright"):
+        drawing.save(tmp_path / "diff.png")
+    assert drawing.save(tmp_path / "diff.svg").read_text() == drawing.svg  # SVG and HTML need nothing
+    assert drawing.svg in drawing.save(tmp_path / "diff.html").read_text()
+    with pytest.raises(graphopt.GraphoptError, match=r"cannot save a drawing as 'diff.pdf': use a .svg, .html or .png path"):
+        drawing.save(tmp_path / "diff.pdf")
