@@ -400,7 +400,8 @@ def _svg(title: str, boxes: dict[str, _Box], links: list[_Link], width: float, h
     total_height = height + 2 * _MARGIN + _LEGEND
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="gd" width="{total_width:.0f}" height="{total_height:.0f}" '
-        f'viewBox="0 0 {total_width:.0f} {total_height:.0f}" role="img" aria-label="graphopt diff: {esc(title)}">',
+        f'viewBox="0 0 {total_width:.0f} {total_height:.0f}" role="img" aria-label="graphopt diff: {esc(title)}" '
+        'style="max-width:none">',  # natural size, scrolled: JupyterLab shrinks SVGs to the page width, text and all
         f"<style>{_SVG_CSS}</style>",
         '<defs><marker id="gd-arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" orient="auto">'
         '<path d="M0,0 L8,4 L0,8 z" style="fill:#777;stroke:none"/></marker></defs>',
