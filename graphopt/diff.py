@@ -237,8 +237,8 @@ class GraphDiff:
                 for (old, new), mark in zip(pairs, marks)
             )
             open_attr = " open" if any(marks) else ""
-            counts = collections.Counter(marks)
-            summary = ", ".join(f"{counts[m]} {m}" for m in ("removed", "added", "changed") if counts[m]) or "unchanged"
+            marked = collections.Counter(marks)
+            summary = ", ".join(f"{marked[m]} {m}" for m in ("removed", "added", "changed") if marked[m]) or "unchanged"
             blocks.append(f"<details{open_attr}><summary>{esc(name or 'top level')} ({len(pairs)} rows: {summary})</summary><table class=\"rows\">{_COLUMNS}{body}</table></details>")
         skips = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in self.skips)
         drawing = self.draw()

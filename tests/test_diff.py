@@ -104,6 +104,8 @@ def test_html_parses_and_is_self_contained(tmp_path: Path) -> None:
     assert "details" in collector.tags and "script" not in collector.tags
     assert not re.search(r"(src|href)=|url\((?!#)|@import", page)  # nothing fetched: the SVG namespace is only a name
     assert 'class="removed"' in page and 'class="changed"' in page
+    assert '<tr class="d"><td>BatchNorm2d</td><td>2</td><td>0</td></tr>' in page  # the op counts
+    assert "<summary>top level (8 rows: 2 removed, 2 changed)</summary>" in page  # the side-by-side group, summed up
 
 
 def test_a_large_graph_renders() -> None:
