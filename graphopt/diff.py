@@ -251,7 +251,7 @@ class GraphDiff:
             f'(<span class="removed">-{removed}</span> <span class="added">+{added}</span> '
             f'<span class="changed">~{len(changed)}</span>)</h3>'
             f"{drawing._repr_html_()}{every}"
-            f"<h4>op counts</h4><table><tr><th>op</th><th>before</th><th>after</th></tr>{counts}</table>"
+            f'<h4>op counts</h4><table class="counts"><tr><th>op</th><th>before</th><th>after</th></tr>{counts}</table>'
             f"<h4>side by side</h4>{''.join(blocks)}"
             + (f"<h4>left alone</h4><ul>{skips}</ul>" if skips else "")
             + "</div>"
@@ -292,11 +292,14 @@ def _ansi(text: str, colour: str) -> str:
     return f"\033[{colour}m{text}\033[0m"
 
 
+# colours on the cells, selectors of two classes and two elements: they hold against JupyterLab's table styles
+# (striped rows: `.jp-RenderedHTMLCommon tbody tr:nth-child(odd)`; right-aligned cells: `:not(...).jp-RenderedHTMLCommon td`)
 _CSS = (
     ".graphopt-diff{font-family:monospace;font-size:12px}.graphopt-diff table{border-collapse:collapse}"
-    ".graphopt-diff td,.graphopt-diff th{padding:1px 6px;text-align:left}.graphopt-diff .sides{display:flex;gap:16px}"
-    ".graphopt-diff .sides>div{flex:1;min-width:0}.graphopt-diff .removed{background:#f7c5c5}"
-    ".graphopt-diff .added{background:#c8f7c5}.graphopt-diff .changed{background:#fff3b0}.graphopt-diff tr.d{font-weight:bold}"
+    ".graphopt-diff table.counts td,.graphopt-diff table.counts th,.graphopt-diff table.rows td{padding:1px 6px;text-align:left}"
+    ".graphopt-diff tbody tr.removed>td,.graphopt-diff span.removed{background:#f7c5c5}"
+    ".graphopt-diff tbody tr.added>td,.graphopt-diff span.added{background:#c8f7c5}"
+    ".graphopt-diff tbody tr.changed>td,.graphopt-diff span.changed{background:#fff3b0}.graphopt-diff tbody tr.d>td{font-weight:bold}"
     ".graphopt-diff table.rows{table-layout:fixed;width:100%}.graphopt-diff table.rows td{overflow-wrap:anywhere;vertical-align:top}"
 )
 # the same column widths in every group's table, so the groups line up: before (module, op), after (module, op), why
