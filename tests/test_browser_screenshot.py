@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 from PIL import Image
 
 import graphopt
@@ -79,3 +80,28 @@ def test_the_docs_picture_is_what_make_docs_pictures_draws(tmp_path: Path) -> No
         page_or_skip(stack)  # the command would fail the same way without a browser
     assert cli.main(argv) == 0
     assert Image.open(redrawn).size == Image.open(picture).size  # the same layout: run `make docs-pictures` after a change
+
+
+# JupyterLab 4.6's rules for HTML outputs that a diff must hold against (from its rendermime stylesheet)
+JUPYTERLAB_RULES = """
+.jp-RenderedHTMLCommon tbody tr:nth-child(odd) { background: #f5f5f5; }
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td,
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon th,
+:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon tr { text-align: right; }
+.jp-RenderedHTMLCommon img, .jp-RenderedHTMLCommon svg { max-width: 100%; height: auto; }
+"""
+
+
+@pytest.mark.slow
+def test_the_html_diff_keeps_its_look_inside_jupyterlab_styles() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64), nn.ReLU(), nn.Conv2d(64, 64, 3), nn.BatchNorm2d(64)).eval()
+    fold = graphopt.optimize(model, torch.randn(2, 3, 16, 16), memory_format="preserve").graphopt_report.diffs["fold_conv_bn"]
+    with contextlib.ExitStack() as stack:
+        page = page_or_skip(stack)
+        page.set_viewport_size({"width": 400, "height": 800})  # narrower than the drawing
+        page.set_content(f'<style>{JUPYTERLAB_RULES}</style><div class="jp-RenderedHTMLCommon">{fold._repr_html_()}</div>')
+        removed_cell = page.locator("table.rows tr.removed td").first
+        assert removed_cell.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(247, 197, 197)"
+        assert removed_cell.evaluate("e => getComputedStyle(e).textAlign") == "left"
+        drawing = page.locator("svg.gd").first
+        assert drawing.bounding_box()["width"] == float(drawing.get_attribute("width")) > 400  # natural size, scrolled
