@@ -258,6 +258,8 @@ def _passes_for_diff(args: argparse.Namespace) -> list[str] | None:
 def _command_diff(args: argparse.Namespace) -> int:
     if args.drawing and Path(args.drawing).suffix.lower() not in SAVE_SUFFIXES:
         raise UsageError(f"--drawing: {Path(args.drawing).name!r} is not a .svg, .html or .png path")
+    if (args.fold != "auto" or args.expand) and not (args.html or args.drawing):
+        raise UsageError("--fold and --expand shape the drawing: add --html PATH or --drawing PATH")
     model, inputs = _model_and_inputs(args)
     passes = _passes_for_diff(args)
     optimized = optimize(
@@ -270,7 +272,7 @@ def _command_diff(args: argparse.Namespace) -> int:
     graph_diff = diffs[args.pass_name] if args.pass_name else graph_diff_of(optimized)
     print(graph_diff)
     if args.html:
-        print(f"HTML diff written to {graph_diff.to_html(args.html)}")
+        print(f"HTML diff written to {graph_diff.to_html(args.html, args.fold, args.expand or ())}")
     if args.drawing:
         print(f"drawing written to {graph_diff.draw(args.fold, args.expand or ()).save(args.drawing)}")
     return 0
@@ -475,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--precision", choices=PRECISIONS, default="fp32")
     show.add_argument("--html", metavar="PATH", help="also write a self-contained HTML diff: the drawn graph, op counts, side by side")
     show.add_argument("--drawing", metavar="PATH", help="also write the drawn graph alone: .svg, .html, or .png (needs Chromium)")
-    show.add_argument("--fold", choices=FOLDS, default="auto", help="the drawing's folding: unchanged modules and, on large graphs, "
-                      "modules at the deepest level that fits (auto), unchanged modules only, or none")
+    show.add_argument("--fold", choices=FOLDS, default="auto", help="what the drawing (--html, --drawing) folds: unchanged modules and, "
+                      "on large graphs, modules at the deepest level that fits (auto), unchanged modules only, or nothing")
     show.add_argument("--expand", action="append", metavar="MODULE", help="keep this module open in the drawing (repeatable)")
     show.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     show.add_argument("--no-progress", action="store_true", help="no status line on stderr (shown on a terminal only anyway)")

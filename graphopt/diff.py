@@ -198,6 +198,10 @@ class GraphDiff:
         return rows
 
     def _repr_html_(self) -> str:
+        return self.html()
+
+    def html(self, fold: str = "auto", expand: Iterable[str] = ()) -> str:
+        """The HTML a notebook shows: the drawing (``fold``/``expand`` as in `draw`), op counts, rows side by side."""
         esc = html.escape
         removed, added, changed = len(self.removed), len(self.added), {n.name for n in self.changed}
         counts = "".join(
@@ -241,7 +245,7 @@ class GraphDiff:
             summary = ", ".join(f"{marked[m]} {m}" for m in ("removed", "added", "changed") if marked[m]) or "unchanged"
             blocks.append(f"<details{open_attr}><summary>{esc(name or 'top level')} ({len(pairs)} rows: {summary})</summary><table class=\"rows\">{_COLUMNS}{body}</table></details>")
         skips = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in self.skips)
-        drawing = self.draw()
+        drawing = self.draw(fold, expand)
         every = ""
         if drawing.folded:
             every = f"<details><summary>every node ({len(self.after)} after, {removed} removed)</summary>{self.draw(fold='none')._repr_html_()}</details>"
@@ -257,12 +261,12 @@ class GraphDiff:
             + "</div>"
         )
 
-    def to_html(self, path: str | os.PathLike[str]) -> Path:
-        """Write one self-contained HTML file (inline CSS and SVG, no scripts, no network) and return its path."""
+    def to_html(self, path: str | os.PathLike[str], fold: str = "auto", expand: Iterable[str] = ()) -> Path:
+        """Write `html` as one self-contained file (inline CSS and SVG, no scripts, no network) and return its path."""
         destination = Path(path)
         destination.write_text(
             f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(self.title)}</title></head>"
-            f"<body>{self._repr_html_()}</body></html>\n",
+            f"<body>{self.html(fold, expand)}</body></html>\n",
             encoding="utf-8",
         )
         return destination

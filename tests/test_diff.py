@@ -155,6 +155,13 @@ def test_cli_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--drawing", str(drawing), "--fold", "none"]
     assert cli.main(argv) == 0 and f"drawing written to {drawing}" in capsys.readouterr().out
     assert drawing.read_text().startswith("<svg") and 'class="node folded' not in drawing.read_text()
+    argv = ["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "remove_dropout", "--html", str(page)]
+    assert cli.main(argv) == 0 and '<g class="node folded" data-name="/layer2">' in page.read_text()  # nothing changed there
+    assert cli.main([*argv, "--expand", "layer2"]) == 0 and 'data-name="/layer2"' not in page.read_text()
+    assert '<g class="node folded" data-name="/layer3">' in page.read_text()
+    assert cli.main([*argv, "--fold", "none"]) == 0 and 'class="node folded' not in page.read_text()
+    assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--expand", "layer1"]) == 2
+    assert "--fold and --expand shape the drawing: add --html PATH or --drawing PATH" in capsys.readouterr().err
     argv = ["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--drawing", str(tmp_path / "d.pdf")]
     assert cli.main(argv) == 2 and "--drawing: 'd.pdf' is not a .svg, .html or .png path" in capsys.readouterr().err
     assert cli.main(["diff", "graphopt.models:resnet_small", "--input", "2x3x32x32", "--pass", "nope"]) == 2
