@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from grandalf.graphs import Edge, Vertex, graph_core
 from grandalf.layouts import SugiyamaLayout
-from grandalf.routing import route_with_lines
 
 from graphopt.errors import GraphoptError
 
@@ -312,6 +311,8 @@ class _View:
 
 
 class _EdgeView:
+    """Where grandalf puts an edge's points: the centres of the boxes and of the bends (replaced by box borders)."""
+
     def __init__(self) -> None:
         self.points: list[tuple[float, float]] = []
 
@@ -334,7 +335,6 @@ def _layout(boxes: dict[str, _Box], links: list[_Link]) -> tuple[float, float]:
     for component in _components(list(vertices.values()), edges):
         layout = SugiyamaLayout(component)
         layout.xspace, layout.yspace = 24, 28
-        layout.route_edge = route_with_lines
         layout.init_all()
         layout.draw(3)
         views = [vertex.view for vertex in component.sV]
