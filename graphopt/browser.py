@@ -52,9 +52,9 @@ def headless_page(width: int = 1280, height: int = 800) -> Iterator[Any]:
             browser.close()
 
 
-def screenshot_svg(svg: str, destination: Path) -> Path:
-    """Render one SVG drawing in the browser and save it as a PNG of the drawing's own size."""
+def screenshot_svg(page_html: str, destination: Path) -> Path:
+    """Render a page in the browser and save its first SVG drawing as a PNG of the drawing's own size."""
     with headless_page() as page:
-        page.set_content(f'<!DOCTYPE html><html><body style="margin:0;background:#fff">{svg}</body></html>')
+        page.set_content(page_html)
         page.locator("svg").first.screenshot(path=str(destination))
     return destination

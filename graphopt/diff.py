@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.drawing import Drawing, draw
+from graphopt.drawing import Drawing, draw, html_document
 from graphopt.errors import GraphoptError
 from graphopt.report import Skip, describe, target_name
 
@@ -61,6 +61,22 @@ class NodeInfo:
         if node.op == "call_module" and owner is not None:
             target = type(owner.get_submodule(str(node.target))).__name__  # the op, not the instance's path
         return cls(node.name, node.op, target, describe(node), tuple(a.name for a in node.all_input_nodes), shape, dtype, layout)
+
+    @property
+    def module_path(self) -> tuple[str, ...]:
+        """The module the node belongs to: its own path for a module call, else the path before ':' (see report.describe)."""
+        if self.op == "call_module":
+            path = self.where
+        elif ":" in self.where:
+            path = self.where.split(":", 1)[0]
+        else:
+            return ()
+        return tuple(part for part in path.split(".") if part)
+
+    @property
+    def container(self) -> tuple[str, ...]:
+        """The module that holds the node: a module call's parent, else the module the node runs in."""
+        return self.module_path[:-1] if self.op == "call_module" else self.module_path
 
     def signature(self) -> tuple[str, str, str | None]:
         """What makes a surviving node "changed": its op, or its dtype (not rewired inputs)."""
@@ -147,6 +163,15 @@ class GraphDiff:
         ops = sorted(set(before) | set(after), key=lambda op: (-abs(after[op] - before[op]), op))
         return [(op, before[op], after[op]) for op in ops]
 
+    @functools.cached_property
+    def _weights(self) -> dict[str, str]:
+        """Weight reads (``get_attr`` nodes) of either graph: name -> the attribute read."""
+        return {n.name: n.target for n in [*self.before, *self.after] if n.op == "get_attr"}
+
+    def reads(self, node: NodeInfo) -> tuple[str, ...]:
+        """The weights ``node`` reads (its ``get_attr`` inputs), which the drawing and the rows show with it."""
+        return tuple(self._weights[name] for name in node.inputs if name in self._weights)
+
     def why(self, node: NodeInfo) -> str:
         """What a pass recorded doing to ``node`` (under its name before or after a replacement), or ""."""
         names = dict.fromkeys((self.pairs.get(node.name, node.name), node.name))  # before the replacement first
@@ -203,34 +228,30 @@ class GraphDiff:
     def html(self, fold: str = "auto", expand: Iterable[str] = ()) -> str:
         """The HTML a notebook shows: the drawing (``fold``/``expand`` as in `draw`), op counts, rows side by side."""
         esc = html.escape
-        removed, added, changed = len(self.removed), len(self.added), {n.name for n in self.changed}
+        removed, added, changed = ({n.name for n in nodes} for nodes in (self.removed, self.added, self.changed))
         counts = "".join(
             f'<tr class="{"d" if b != a else ""}"><td>{esc(op)}</td><td>{b}</td><td>{a}</td></tr>' for op, b, a in self.op_counts()
         )
-        weights = {n.name: n.target for n in [*self.before, *self.after] if n.op == "get_attr"}
 
         def cell(node: NodeInfo | None) -> str:
             if node is None:
                 return "<td></td><td></td>"
-            reads = [weights[name] for name in node.inputs if name in weights]
+            reads = self.reads(node)
             detail = node.detail() + (f" (reads {', '.join(reads)})" if reads else "")
             return f"<td>{esc(node.where)}</td><td>{esc(detail)}</td>"
-
-        kept = set(self.pairs.values())
 
         def status(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
             """A surviving node the graph moved sits on two rows, unmarked."""
             old, new = pair
-            if new is None or old is None:
-                return "removed" if new is None and old.name not in kept else "added" if old is None and new.name not in self.pairs else ""
-            return "changed" if new.name in changed else ""
+            if old is not None and new is not None:
+                return "changed" if new.name in changed else ""
+            return "removed" if old is not None and old.name in removed else "added" if new is not None and new.name in added else ""
 
         def group(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
             """The top-level module a row belongs to ("" for the model's own nodes)."""
             node = pair[0] or pair[1]
             assert node is not None
-            path = node.where.split(":")[0].split(".")
-            return path[0] if len(path) > 1 or ":" in node.where else ""
+            return node.container[0] if node.container else ""
 
         blocks = []
         for name, run in itertools.groupby(self.rows(), key=group):
@@ -248,11 +269,11 @@ class GraphDiff:
         drawing = self.draw(fold, expand)
         every = ""
         if drawing.folded:
-            every = f"<details><summary>every node ({len(self.after)} after, {removed} removed)</summary>{self.draw(fold='none')._repr_html_()}</details>"
+            every = f"<details><summary>every node ({len(self.after)} after, {len(removed)} removed)</summary>{self.draw(fold='none')._repr_html_()}</details>"
         return (
             f'<div class="graphopt-diff"><style>{_CSS}</style>'
             f"<h3>{esc(self.title)}: {len(self.before)} &rarr; {len(self.after)} nodes "
-            f'(<span class="removed">-{removed}</span> <span class="added">+{added}</span> '
+            f'(<span class="removed">-{len(removed)}</span> <span class="added">+{len(added)}</span> '
             f'<span class="changed">~{len(changed)}</span>)</h3>'
             f"{drawing._repr_html_()}{every}"
             f'<h4>op counts</h4><table class="counts"><tr><th>op</th><th>before</th><th>after</th></tr>{counts}</table>'
@@ -264,11 +285,7 @@ class GraphDiff:
     def to_html(self, path: str | os.PathLike[str], fold: str = "auto", expand: Iterable[str] = ()) -> Path:
         """Write `html` as one self-contained file (inline CSS and SVG, no scripts, no network) and return its path."""
         destination = Path(path)
-        destination.write_text(
-            f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(self.title)}</title></head>"
-            f"<body>{self.html(fold, expand)}</body></html>\n",
-            encoding="utf-8",
-        )
+        destination.write_text(html_document(self.html(fold, expand), self.title), encoding="utf-8")
         return destination
 
     def to_svg(self, fold: str = "auto", expand: Iterable[str] = ()) -> str:

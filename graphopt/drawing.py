@@ -118,10 +118,15 @@ class Drawing:
         elif suffix == ".png":
             from graphopt.browser import screenshot_svg
 
-            screenshot_svg(self.svg, destination)
+            screenshot_svg(html_document(self.svg), destination)
         else:
-            destination.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{self.svg}</body></html>\n', encoding="utf-8")
+            destination.write_text(html_document(self.svg), encoding="utf-8")
         return destination
+
+
+def html_document(body: str, title: str = "graphopt diff") -> str:
+    """One self-contained HTML page around ``body`` (a drawing, or a diff's HTML)."""
+    return f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head><body>{body}</body></html>\n'
 
 
 def draw(diff: GraphDiff, fold: str = "auto", expand: Iterable[str] = ()) -> Drawing:
@@ -140,19 +145,8 @@ def draw(diff: GraphDiff, fold: str = "auto", expand: Iterable[str] = ()) -> Dra
 # ---------------------------------------------------------------------------- the merged graph
 
 
-def _module_path(node: NodeInfo) -> tuple[str, ...]:
-    """The module a node belongs to: its own path for a module call, else the path before ':' (see report.describe)."""
-    if node.op == "call_module":
-        path = node.where
-    elif ":" in node.where:
-        path = node.where.split(":", 1)[0]
-    else:
-        return ()
-    return tuple(part for part in path.split(".") if part)
-
-
 def _container(item: _Item) -> tuple[str, ...]:
-    """The module that holds ``item``: a module call's parent, else the module the node runs in."""
+    """The module that holds ``item`` (`NodeInfo.container`, of its module as drawn: a created node's is inferred)."""
     return item.module[:-1] if item.node.op == "call_module" else item.module
 
 
@@ -160,7 +154,6 @@ def _merged(diff: GraphDiff) -> tuple[dict[str, _Item], dict[tuple[str, str], _L
     """The graph after the change plus the removed nodes and edges; weight reads kept with their readers."""
     pairs = diff.pairs
     before = {node.name: node for node in diff.before}
-    weights = {node.name: node.target for node in [*diff.before, *diff.after] if node.op == "get_attr"}
     removed = {node.name for node in diff.removed}
     added = {node.name for node in diff.added}
     changed = {node.name for node in diff.changed}
@@ -173,15 +166,15 @@ def _merged(diff: GraphDiff) -> tuple[dict[str, _Item], dict[tuple[str, str], _L
         old = before.get(pairs.get(node.name, ""))
         was = old.target if old is not None and old.target != node.target else ""
         note = diff.why(node) or (f"added by {diff.origin[node.name]}" if node.name in diff.origin and status == "added" else "")
-        module = _module_path(node)
+        module = node.module_path
         if not module and status == "added":  # a node a pass created without a module: where its inputs are
             module = next((_container(items[s]) for s in node.inputs if s in items and _container(items[s])), ())
-        items[node.name] = _Item(node, status, note, was, tuple(weights[s] for s in node.inputs if s in weights), module)
+        items[node.name] = _Item(node, status, note, was, diff.reads(node), module)
     for node in diff.removed:
         if node.op == "get_attr":
             continue
         note = f"removed by {diff.origin[node.name]}" if node.name in diff.origin else ""
-        items[node.name] = _Item(node, "removed", note, "", tuple(weights[s] for s in node.inputs if s in weights), _module_path(node))
+        items[node.name] = _Item(node, "removed", note, "", diff.reads(node), node.module_path)
 
     # before-names of surviving nodes map to their after-names (a replaced module keeps its path, not its name)
     renamed = {old: new for new, old in pairs.items()}
