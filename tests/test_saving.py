@@ -302,6 +302,34 @@ def test_a_failed_save_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_right_at_the_examples_sizes_but_wrong_at_a_second_size_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = graphopt.optimize(ConvNet().eval(), images(4))
+    read = saving._read
+
+    def wrong_beyond_the_example(path: Path) -> Callable[..., torch.Tensor]:
+        loaded = read(path)
+        return lambda x: loaded(x) + (x.shape[0] != 4)  # the written file, loaded back, off at other batch sizes only
+
+    monkeypatch.setattr(saving, "_read", wrong_beyond_the_example)
+    with pytest.raises(SaveError, match=r"computes output differently .* on inputs \[\((?!4,)[0-9]+, 3, 12, 12\)\]\. Nothing was written"):
+        graphopt.save(fast, tmp_path / "model.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
+class Reduction(nn.Module):
+    """A string option whose value is also the name of an op's node in the exported graph ("mean")."""
+
+    def forward(self, x: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+        return x.mean(1) if reduce == "mean" else x.sum(1)
+
+
+def test_a_string_input_named_like_a_node_is_saved(tmp_path: Path) -> None:
+    fast = graphopt.optimize(Reduction().eval(), (torch.randn(4, 3), "mean"))
+    loaded = graphopt.load(graphopt.save(fast, tmp_path / "model.pt2"))
+    x = torch.randn(6, 3)
+    assert torch.equal(loaded(x, "mean"), x.mean(1))
+
+
 def test_fused_regions_are_saved_as_their_eager_ops(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation, said by the fusion backend
@@ -369,6 +397,18 @@ def test_a_file_of_another_format_version_raises_load_error(saved_file: Path, tm
     newer = rewritten(saved_file, tmp_path / "newer.pt2", "extra/graphopt.json", next_version)
     with pytest.raises(LoadError, match=f"format version {saving.FORMAT_VERSION + 1} \\(written by graphopt 9.0\\).*reads version {saving.FORMAT_VERSION}"):
         graphopt.load(newer)
+
+
+@pytest.mark.parametrize("version", [0, None, True], ids=["older", "missing", "not a number"])
+def test_a_file_of_an_older_or_missing_format_version_raises_load_error(version: int | None, saved_file: Path, tmp_path: Path) -> None:
+    def other_version(text: bytes) -> bytes:
+        metadata = json.loads(text)
+        metadata.pop("format_version")
+        return json.dumps(metadata if version is None else {**metadata, "format_version": version}).encode()
+
+    older = rewritten(saved_file, tmp_path / "older.pt2", "extra/graphopt.json", other_version)
+    with pytest.raises(LoadError, match=f"format version {version} \\(written by graphopt .*reads version {saving.FORMAT_VERSION}"):
+        graphopt.load(older)
 
 
 def test_files_graphopt_did_not_write_raise_load_error(saved_file: Path, tmp_path: Path) -> None:
