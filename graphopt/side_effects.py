@@ -14,11 +14,13 @@ FakeTensors): appended to the user's own list they would outlive the trace.
 (parameters, buffers, submodules, hooks and ``training`` are left out), the globals and
 closure variables that the methods of the model's classes refer to (and the functions of
 the same file those refer to by name), and the lists, dicts, sets and deques these hold,
-nested up to `_MAX_DEPTH` levels. A container created during the call is never outside it:
-a local ``outs = []`` filled and then concatenated is not a side effect. In-place updates of
-registered buffers are not side effects either: the graph keeps them. A changed module
-attribute counts only when a line of the user's code that ran sets it: torch's own hooks
-(pruning, spectral norm) set ``weight`` before each call.
+nested at any depth (followed breadth first, each once, until `_MAX_COPIED_ITEMS` items are
+copied: cycles and huge containers end the walk, not Python's recursion limit). A container
+created during the call is never outside it: a local ``outs = []`` filled and then
+concatenated is not a side effect. In-place updates of registered buffers are not side
+effects either: the graph keeps them. A changed module attribute counts only when a line
+of the user's code that ran sets it: torch's own hooks (pruning, spectral norm) set
+``weight`` before each call.
 """
 
 from __future__ import annotations
@@ -236,7 +238,6 @@ class _Profiler:
 _TORCH_MODULE_KEYS = frozenset(vars(nn.Module()))  # parameters, buffers, submodules, hooks, training
 # Exact types only: restoring goes through their own methods, which a subclass may forbid or change.
 _CONTAINER_TYPES = frozenset({list, dict, set, collections.deque, collections.OrderedDict, collections.defaultdict, collections.Counter})
-_MAX_DEPTH = 3  # a container, the containers in it, and the containers in those
 _MAX_COPIED_ITEMS = 100_000  # past this, nested containers are not looked into (the snapshot stays quick)
 
 
@@ -306,12 +307,23 @@ class _Container:
     """A list, dict, set or deque outside the call, and its items when the snapshot was taken."""
 
     value: Any
-    expression: str  # how forward() reaches it, e.g. "self.stats['calls']"
     origin: _Origin
+    parent: _Container | None = None  # the container holding it, at ``key``; None: the value of ``origin``
+    key: Any = None
     before: list[Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self.before = _items(self.value)
+
+    @property
+    def expression(self) -> str:
+        """How forward() reaches it, e.g. "self.stats['calls']" (built on demand: nesting may be deep)."""
+        keys = []
+        container = self
+        while container.parent is not None:
+            keys.append(f"[{container.key!r}]")
+            container = container.parent
+        return container.origin.expression + "".join(reversed(keys))
 
     def changed(self) -> bool:
         now = _items(self.value)
@@ -437,18 +449,29 @@ class _Snapshot:
         binding = _Binding(namespace, origin, _MISSING)
         binding.before = binding.now()
         self.bindings.append(binding)
-        self._watch_container(binding.before, origin.expression, origin, depth=1)
+        self._watch_containers(binding.before, origin)
 
-    def _watch_container(self, value: Any, expression: str, origin: _Origin, depth: int) -> None:
-        if type(value) not in _CONTAINER_TYPES or id(value) in self._watched_ids:
+    def _watch_containers(self, value: Any, origin: _Origin) -> None:
+        """Watch ``value`` if it is a container, and the containers nested in it, breadth first.
+
+        A loop, not recursion: nesting deeper than Python's recursion limit is followed too.
+        Each container is watched once (cycles end there), and once `_MAX_COPIED_ITEMS` items
+        are copied, nested containers are no longer looked into.
+        """
+        if type(value) not in _CONTAINER_TYPES:
             return
-        self._watched_ids.add(id(value))
-        container = _Container(value, expression, origin)
-        self.containers.append(container)
-        self._copied_items += len(container.before)
-        if depth < _MAX_DEPTH and self._copied_items < _MAX_COPIED_ITEMS and not isinstance(value, set):
-            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-                self._watch_container(item, f"{expression}[{key!r}]", origin, depth + 1)
+        pending: collections.deque[tuple[Any, _Container | None, Any]] = collections.deque([(value, None, None)])
+        while pending:
+            value, parent, key = pending.popleft()
+            if id(value) in self._watched_ids or (parent is not None and self._copied_items >= _MAX_COPIED_ITEMS):
+                continue
+            self._watched_ids.add(id(value))
+            container = _Container(value, origin, parent, key)
+            self.containers.append(container)
+            self._copied_items += len(container.before)
+            if self._copied_items < _MAX_COPIED_ITEMS and not isinstance(value, set):
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                pending.extend((item, container, key) for key, item in items if type(item) in _CONTAINER_TYPES)
 
     def _watch_globals(self, functions: list[FunctionType]) -> None:
         readers: dict[tuple[int, str], list[FunctionType]] = {}

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import prune
 
+import graphopt
 from graphopt.side_effects import SideEffect, preserved_user_objects, side_effects_message, watch_side_effects
 
 HISTORY: list[Any] = []
@@ -172,6 +173,62 @@ def test_closure_list() -> None:
     effects = effects_of(model, torch.randn(2, 3))
     assert_effects(effects, [("appends to the list `shapes` (a closure variable)", line_of(type(model).forward, "shapes.append"))])
     assert shapes == []
+
+
+NESTED: dict[str, dict[str, list[list[int]]]] = {"outer": {"inner": [[]]}}
+
+
+class DeepAppend(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        NESTED["outer"]["inner"][0].append(x.shape[0])
+        return x + 1
+
+
+def test_append_to_a_list_three_levels_below_a_global() -> None:
+    deepest = NESTED["outer"]["inner"][0]
+    effects = effects_of(DeepAppend(), torch.randn(2, 3))
+    expected = "appends to the list `NESTED['outer']['inner'][0]` (a global)"
+    assert_effects(effects, [(expected, line_of(DeepAppend.forward, "NESTED["))])
+    assert NESTED == {"outer": {"inner": [[]]}} and NESTED["outer"]["inner"][0] is deepest
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_optimize_reports_a_deeply_nested_append_and_leaves_the_list_alone(frontend: str) -> None:
+    deepest = NESTED["outer"]["inner"][0]
+    with pytest.warns(graphopt.SideEffectWarning, match="appends to the list `NESTED\\['outer'\\]\\['inner'\\]\\[0\\]` \\(a global\\)"):
+        graphopt.optimize(DeepAppend().eval(), (torch.randn(2, 3),), frontend=frontend)
+    assert NESTED == {"outer": {"inner": [[]]}} and NESTED["outer"]["inner"][0] is deepest  # no fx Proxy or SymInt left in it
+
+
+CHAIN: list[Any] = [[]]  # 2000 lists, each the only item of the one before: deeper than Python's recursion limit
+for _ in range(1999):
+    CHAIN = [CHAIN]
+CYCLE: list[Any] = []
+CYCLE.append(CYCLE)
+
+
+def _bottom_of_chain() -> list[Any]:
+    link = CHAIN
+    while link:
+        link = link[0]
+    return link
+
+
+class ChainAndCycle(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _bottom_of_chain().append(x.shape[0])
+        CYCLE[0][0].append(0)
+        return x * 2
+
+
+def test_nesting_of_any_depth_and_cycles_are_followed() -> None:
+    bottom = _bottom_of_chain()
+    effects = effects_of(ChainAndCycle(), torch.randn(2, 3))
+    assert [effect.what for effect in effects] == [
+        f"appends to the list `CHAIN{'[0]' * 2000}` (a global)",
+        "appends to the list `CYCLE` (a global)",
+    ]
+    assert bottom == [] and _bottom_of_chain() is bottom and CYCLE == [CYCLE]
 
 
 TOTAL = 0

@@ -18,6 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
+from graphopt.passes import REGISTRY, PassInfo
+from graphopt.passes.base import finish
+from graphopt.report import PassReport
 from graphopt.verify import compare, run_reference
 from tests.conftest import FRONTENDS, assert_trains_like
 
@@ -177,12 +180,66 @@ def test_a_tied_parameter_kept_under_one_name_is_the_same_parameter(frontend: st
     assert optimized.graphopt_report["remove_redundant_transfers"].rewrites
 
 
-def test_training_report_has_gradient_errors() -> None:
+class ScaledBackward(torch.autograd.Function):
+    """The identity in forward (bit for bit); backward multiplies the incoming gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+def scaled_backward(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return ScaledBackward.apply(x, factor)
+
+
+def register_gradient_scaling(monkeypatch: pytest.MonkeyPatch, factor: float, presets: tuple[str, ...] = ()) -> None:
+    """Register the test pass "scale_gradients": outputs unchanged, every parameter's gradient times ``factor``."""
+
+    def scale_gradients(gm, ctx):
+        report = PassReport("scale_gradients")
+        output = next(node for node in gm.graph.nodes if node.op == "output")
+        for result in output.all_input_nodes:
+            with gm.graph.inserting_before(output):
+                scaled = gm.graph.call_function(scaled_backward, (result, factor))
+            scaled.meta.update(result.meta)
+            output.replace_input_with(result, scaled)
+            report.rewrite(result, f"backward scaled by {factor}")
+        return finish(gm, bool(report.rewrites), report)
+
+    monkeypatch.setitem(REGISTRY, "scale_gradients", PassInfo("scale_gradients", scale_gradients, ("training",), "test pass", presets=presets))
+
+
+def test_a_pass_that_changes_only_gradient_values_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    register_gradient_scaling(monkeypatch, 1.01)
+    model, example = BatchNormNet().train(), (torch.randn(4, 3, 6, 6),)
+    changed = "changed gradient\\['[\\w.]+'\\] on the example inputs by [\\d.e+-]+ relative to the gradient's scale"
+    with pytest.warns(graphopt.VerificationWarning, match=f"rolled back pass 'scale_gradients', which failed verification: .*{changed}"):
+        optimized = graphopt.optimize(model, example, passes=["scale_gradients"])
+    assert optimized.graphopt_report["scale_gradients"].rolled_back
+    assert_trains_like(model, optimized, example)  # the graph as captured: gradients unscaled
+    with pytest.raises(graphopt.VerificationError, match=changed) as info:
+        graphopt.optimize(model, example, passes=["scale_gradients"], verify="strict")
+    assert info.value.pass_name == "scale_gradients" and info.value.max_error == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_training_report_has_gradient_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     optimized = graphopt.optimize(BatchNormNet().train(), (torch.randn(4, 3, 6, 6),), memory_format="channels_last")
     report = optimized.graphopt_report
-    assert report["drop_conv_bias"].gradient_error is not None and report["drop_conv_bias"].gradient_error < 1e-4
+    assert report["to_channels_last"].gradient_error is not None and report["to_channels_last"].gradient_error < 1e-4
     assert report.second_input_gradient_error is not None and report.second_input_gradient_error < 1e-4
     assert "grad error" in str(report)
+    # the errors are measured, not 0 for want of a comparison: gradients scaled by 1 + 2e-5 (within tolerance) show 2e-5
+    register_gradient_scaling(monkeypatch, 1 + 2e-5, presets=("training",))
+    mlp = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).train()  # no gradient cancels to rounding noise
+    report = graphopt.optimize(mlp, (torch.randn(4, 6),)).graphopt_report
+    assert report["scale_gradients"].gradient_error == pytest.approx(2e-5, rel=0.05)
+    assert report.second_input_gradient_error == pytest.approx(2e-5, rel=0.05)
+    assert f"{report['scale_gradients'].gradient_error:.1e}" in str(report).split("grad error")[1]
 
 
 # --------------------------------------------------------------------------- the second input

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 
-from graphopt.verify import compare, compare_state, run_isolated, run_reference, tolerance_for
+from graphopt.verify import compare, compare_gradients, compare_state, run_isolated, run_reference, tolerance_for
 
 
 def test_identical_outputs_have_no_error() -> None:
@@ -81,3 +82,57 @@ def test_state_comparison_names_the_buffer() -> None:
     assert not missing.ok and missing.where == "buffer['bn.running_var']" and missing.detail == "changed by one run only"
     different = compare_state(a, {**a, "bn.running_mean": torch.ones(3) * 2})
     assert not different.ok and different.where == "buffer['bn.running_mean']"
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def test_gradient_values_are_compared() -> None:
+    expected = {"conv.weight": torch.randn(4, 3), "conv.bias": torch.randn(4)}
+    assert compare_gradients(expected, {name: g.clone() for name, g in expected.items()}, 1e-4).max_error == 0.0
+    scaled = compare_gradients(expected, {**expected, "conv.weight": expected["conv.weight"] * 1.01}, 1e-4)
+    assert not scaled.ok and scaled.where == "gradient['conv.weight']" and scaled.max_error == pytest.approx(1e-2, rel=1e-3)
+    reshaped = compare_gradients(expected, {**expected, "conv.bias": expected["conv.bias"][:2]}, 1e-4)
+    assert not reshaped.ok and reshaped.detail == "shape (2,) instead of (4,)"
+    # low-precision graphs: which parameters receive gradients, not their values
+    assert compare_gradients(expected, {**expected, "conv.weight": expected["conv.weight"] * 1.01}, 1e-4, values=False).ok
+    assert not compare_gradients(expected, {**expected, "conv.weight": None}, 1e-4, values=False).ok
+
+
+def test_a_small_gradient_is_compared_at_one_percent_of_the_largest() -> None:
+    """Below 1% of the largest gradient, a gradient's error is measured at that 1%; above it, at its own scale."""
+    largest = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    below, above = torch.full((3,), 0.005, dtype=torch.float64), torch.full((3,), 0.02, dtype=torch.float64)
+    nudge = torch.tensor([8e-7, 0.0, 0.0], dtype=torch.float64)
+    expected = {"big": largest, "small": below}
+    result = compare_gradients(expected, {"big": largest, "small": below + nudge}, 1e-4)
+    assert result.ok and result.where == "gradient['small']" and result.max_error == pytest.approx(8e-7 / 0.01)  # 1.6e-4 at its own scale
+    floored = compare_gradients(expected, {"big": largest, "small": below + 2 * nudge}, 1e-4)
+    assert not floored.ok and floored.max_error == pytest.approx(1.6e-6 / 0.01)  # the floor excuses rounding, not a change
+    expected = {"big": largest, "medium": above}
+    own_scale = compare_gradients(expected, {"big": largest, "medium": above + 3 * nudge}, 1e-4)
+    assert not own_scale.ok and own_scale.max_error == pytest.approx(2.4e-6 / 0.02)
+
+
+def test_removed_and_unused_parameters_may_leave_the_graph() -> None:
+    expected = {"conv.weight": torch.randn(4, 3), "conv.bias": torch.randn(4), "unused.weight": None}
+    without_bias = {"conv.weight": expected["conv.weight"].clone()}  # e.g. drop_conv_bias took the bias out
+    missing = compare_gradients(expected, without_bias, 1e-4)
+    assert not missing.ok and missing.where == "gradient['conv.bias']" and missing.detail == "the parameter is no longer in the graph"
+    assert compare_gradients(expected, without_bias, 1e-4, removed={"conv.bias"}).ok
+    # a removed parameter still in the graph is compared like any other
+    assert not compare_gradients(expected, {**without_bias, "conv.bias": expected["conv.bias"] * 2}, 1e-4, removed={"conv.bias"}).ok
+
+
+def test_a_tied_parameter_may_keep_one_of_its_names() -> None:
+    shared = torch.randn(10, 8)  # one gradient object under both names, as run_reference records a tied parameter
+    expected = {"shared.weight": shared, "encoder_embed.weight": shared, "head.weight": torch.randn(3, 8)}
+    kept_one = {"encoder_embed.weight": shared.clone(), "head.weight": expected["head.weight"].clone()}
+    assert compare_gradients(expected, kept_one, 1e-4).ok
+    changed = compare_gradients(expected, {**kept_one, "encoder_embed.weight": shared * 1.01}, 1e-4)
+    assert not changed.ok and changed.where == "gradient['encoder_embed.weight']"
+    kept_none = compare_gradients(expected, {"head.weight": expected["head.weight"]}, 1e-4)
+    assert not kept_none.ok and kept_none.detail == "the parameter is no longer in the graph"
+    # equal values are not a tie: two parameters that happen to be alike must both stay
+    untied = {"a.weight": shared, "b.weight": shared.clone()}
+    assert not compare_gradients(untied, {"a.weight": shared.clone()}, 1e-4).ok
