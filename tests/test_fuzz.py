@@ -6,7 +6,9 @@ static list (no control flow on tensor values, so fx unrolls the loop). For each
 and frontend, `optimize` must either return a module whose outputs (in training mode also
 the gradients of a random projection of them) match the original's, on the example and on
 a call with another batch size, fresh values and other strides, or raise a `GraphoptError`;
-and it must never modify the original model.
+and it must never modify the original model. Refusing is a pass for one model, not for the
+run: at least MIN_OPTIMIZED_SHARE of the models must come back optimized, so that a fuzzer
+refusing everything fails.
 
 The default run is bounded (GRAPHOPT_FUZZ_EXAMPLES, default 25); `make fuzz` runs 500.
 """
@@ -28,6 +30,10 @@ import graphopt
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
 
 MAX_EXAMPLES = int(os.environ.get("GRAPHOPT_FUZZ_EXAMPLES", "25"))
+# Measured: every generated model came back optimized, none refused, in each mode and frontend, at 25 examples (make
+# test) and at 150. The floor sits well below that, leaving room for a few models a new guard rightly refuses, and
+# fails a run where more than one model in five is refused (a fuzzer refusing everything passed before).
+MIN_OPTIMIZED_SHARE = 0.8
 MODES = ("inference", "training")
 FRONTENDS = ("fx", "export")
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
@@ -318,8 +324,8 @@ def _compare(reference: nn.Module, fast: nn.Module, x: torch.Tensor, mode: str, 
 
 def check_optimize(
     model: nn.Module, x: torch.Tensor, mode: str, frontend: str, memory_format: str, precision: str, other: torch.Tensor | None = None
-) -> None:
-    """optimize either returns a module matching ``model`` or raises GraphoptError; ``model`` is untouched.
+) -> bool:
+    """optimize either returns a module matching ``model`` (True) or raises GraphoptError (False); ``model`` is untouched.
 
     The optimized module is checked on ``x`` and on ``other`` (another batch size, fresh
     values, other strides): it must match there too, or refuse the call with
@@ -334,56 +340,67 @@ def check_optimize(
         )
     except graphopt.GraphoptError:
         _assert_unchanged(model, before)
-        return
+        return False
     _assert_unchanged(model, before)
     _compare(reference, fast, x, mode, precision, "example")
     if other is None:
-        return
+        return True
     try:
         with torch.no_grad():
             copy.deepcopy(reference)(other)
     except Exception:
-        return  # the model itself refuses this call (e.g. a training BatchNorm over one value per channel)
+        return True  # the model itself refuses this call (e.g. a training BatchNorm over one value per channel)
     try:
         _compare(reference, fast, other, mode, precision, f"other call {tuple(other.shape)} {other.stride()}")
     except graphopt.InputMismatchError:
         assert other.shape[0] != x.shape[0] and not fast.graphopt_report.second_input.startswith("batch"), "refused a verified batch size"
+    return True
 
 
-def _run(spec: dict[str, Any], mode: str, frontend: str) -> None:
+def _run(spec: dict[str, Any], mode: str, frontend: str) -> bool:
+    """Whether optimize returned the model optimized (checked) rather than refusing it."""
     model = FuzzModel(spec["ops"], spec["extra_output"], spec["seed"])
     x = torch.randn(spec["input_shape"], generator=torch.Generator().manual_seed(spec["seed"] + 1))
     other = other_call(x, spec["other_batch"], spec["other_strided"], spec["seed"] + 2)
-    check_optimize(model, x, mode, frontend, spec["memory_format"], spec["precision"], other)
+    return check_optimize(model, x, mode, frontend, spec["memory_format"], spec["precision"], other)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("frontend", FRONTENDS)
 @pytest.mark.parametrize("mode", MODES)
-@settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(spec=model_specs())
-def test_optimize_matches_or_refuses(spec: dict[str, Any], mode: str, frontend: str) -> None:
-    _run(spec, mode, frontend)
+def test_optimize_matches_or_refuses(mode: str, frontend: str) -> None:
+    optimized: list[bool] = []  # per generated model: optimized, or refused
+
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(spec=model_specs())
+    def matches_or_refuses(spec: dict[str, Any]) -> None:
+        optimized.append(_run(spec, mode, frontend))
+
+    matches_or_refuses()
+    assert sum(optimized) >= MIN_OPTIMIZED_SHARE * len(optimized), (
+        f"optimize refused {optimized.count(False)} of {len(optimized)} generated models: "
+        f"at least {MIN_OPTIMIZED_SHARE:.0%} must come back optimized"
+    )
 
 
 # ----------------------------------------------------------------------------- regressions
-# Minimal hand-written reproductions of failures the fuzzer found, kept after their fix.
+# Minimal hand-written reproductions of failures the fuzzer found, kept after their fix: optimized, not refused.
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_linear_then_non_affine_batch_norm(frontend: str) -> None:
     # fold_conv_bn handed the BatchNorm's missing weight (None) to fuse_linear_bn_weights
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, affine=False)).eval()
-    check_optimize(model, torch.randn(2, 4), "inference", frontend, "preserve", "fp32")
+    assert check_optimize(model, torch.randn(2, 4), "inference", frontend, "preserve", "fp32")
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_op_without_a_low_precision_kernel_runs_in_fp32(frontend: str) -> None:
     # found by `make fuzz`: a bf16 conv3d output fed avg_pool3d, which has no bf16 CPU kernel
     model = nn.Sequential(nn.Conv3d(1, 3, 1, bias=False), nn.AvgPool3d(2)).train()
-    check_optimize(model, torch.randn(2, 1, 4, 4, 4), "training", frontend, "preserve", "bf16")
+    assert check_optimize(model, torch.randn(2, 1, 4, 4, 4), "training", frontend, "preserve", "bf16")

@@ -284,7 +284,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         layer.error = _error(gm, checks[:1])
         _use(gm, layer, False)
         if layer.error > ctx.accuracy:
-            layer.reason = f"alone in int8 it changes the output by {layer.error:.1e} of its scale, over accuracy={ctx.accuracy:.0e}"
+            layer.reason = f"alone in int8 it changes the output by {layer.error:.1e} of its scale, over accuracy={ctx.accuracy:g}"
 
     # speed before the budget: a layer that does not pay in int8 should not take its share of the budget from one that does
     if not has_int8_dot_products():
@@ -306,7 +306,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         _use(gm, worst, False)
         worst.reason = (
             f"alone in int8 it changes the output by {worst.error:.1e} of its scale; with it the int8 layers together "
-            f"exceeded accuracy={ctx.accuracy:.0e}, and it had the largest error of them"
+            f"exceeded accuracy={ctx.accuracy:g}, and it had the largest error of them"
         )
         chained = _chain(chosen)
         total = _error(gm, checks) if chosen else 0.0
@@ -333,7 +333,7 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     report.notes.append(
         f"{len(chosen)} of {len(layers)} convs/linears in int8 (activations: {activation_levels()} levels, calibrated on "
         f"{len(ctx.calibration)} batches; {len(chained)} write uint8 straight to int8 readers); output error at most {total:.1e} "
-        f"of its scale on the example inputs and the calibration batches, accuracy={ctx.accuracy:.0e}"
+        f"of its scale on the example inputs and the calibration batches, accuracy={ctx.accuracy:g}"
     )
     return finish(gm, bool(chosen), report)
 
