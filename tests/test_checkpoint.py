@@ -12,11 +12,17 @@ import torch.nn.functional as F
 import graphopt
 from graphopt.checkpoint import DroppedBias, FoldedBatchNorm, to_optimized
 from graphopt.models import REFERENCE_MODELS, resnet_small
+from graphopt.pipeline import preset_with
 from tests.conftest import FRONTENDS, randomize_batch_norms, relative_error
 
 CNNS = ("resnet", "mobilenet_v2", "convnext")
 # torch.export captures are slow: every CNN through fx, the ResNet through both frontends
 MODELS_AND_FRONTENDS = [(name, "fx") for name in CNNS] + [("resnet", "export")]
+
+
+def dropping_biases(channels_last: bool = True) -> list[str]:
+    """The training preset with the opt-in drop_conv_bias: the pass that removes tensors in training mode."""
+    return preset_with("training", ["drop_conv_bias"], low_precision=False, channels_last=channels_last)
 
 
 def inputs(batch: int = 2) -> tuple[torch.Tensor]:
@@ -49,11 +55,12 @@ def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch
 @pytest.mark.parametrize(("name", "frontend"), MODELS_AND_FRONTENDS)
 def test_checkpoints_go_both_ways(name: str, mode: str, frontend: str) -> None:
     model, checkpoint_model = REFERENCE_MODELS[name].build(seed=0), other_weights(name)
-    optimized = graphopt.optimize(model, inputs(), mode=mode, frontend=frontend, memory_format="channels_last")
+    passes = dropping_biases() if mode == "training" else None
+    optimized = graphopt.optimize(model, inputs(), mode=mode, frontend=frontend, memory_format="channels_last", passes=passes)
     optimized.load_original_state_dict(checkpoint_model.state_dict())
 
     # the same state as optimizing the checkpoint's model directly: folds and drops re-applied exactly
-    expected = graphopt.optimize(checkpoint_model, inputs(), mode=mode, frontend=frontend, memory_format="channels_last")
+    expected = graphopt.optimize(checkpoint_model, inputs(), mode=mode, frontend=frontend, memory_format="channels_last", passes=passes)
     assert_same_state(optimized.state_dict(), expected.state_dict())
     conv_weights = [p for p in optimized.parameters() if p.dim() == 4 and p.shape[-1] > 1]
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in conv_weights), "loading keeps the layout"
@@ -75,8 +82,8 @@ def test_checkpoints_go_both_ways(name: str, mode: str, frontend: str) -> None:
 
 def test_trained_weights_go_to_the_original_model_and_back() -> None:
     model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).train()
-    optimized = graphopt.optimize(model, inputs(4), memory_format="channels_last")
-    optimizer = torch.optim.SGD(optimized.parameters(), lr=0.1, momentum=0.9)
+    optimized = graphopt.optimize(model, inputs(4), memory_format="channels_last", passes=dropping_biases())
+    optimizer = torch.optim.SGD(optimized.parameters(), lr=0.1, momentum=0.9)  # no weight decay: dropping biases is exact
     labels = torch.tensor([0, 1, 2, 3])
     for _ in range(3):
         optimizer.zero_grad(set_to_none=True)
@@ -86,7 +93,7 @@ def test_trained_weights_go_to_the_original_model_and_back() -> None:
     restored = REFERENCE_MODELS["resnet"].build(seed=5)
     restored.load_state_dict(optimized.original_state_dict())
     assert all(restored.get_parameter(key).abs().max() == 0 for key in ("stem_conv.bias", "layer1.conv1.bias")), "dropped biases come back as zeros"
-    again = graphopt.optimize(model, inputs(4), memory_format="channels_last")
+    again = graphopt.optimize(model, inputs(4), memory_format="channels_last", passes=dropping_biases())
     again.load_original_state_dict(restored.state_dict())
     for key, value in optimized.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
@@ -99,7 +106,7 @@ def test_trained_weights_go_to_the_original_model_and_back() -> None:
 
 def test_parameter_map_names_every_removed_and_rewritten_key() -> None:
     model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build())
-    training = graphopt.optimize(model.train(), inputs(), memory_format="preserve")
+    training = graphopt.optimize(model.train(), inputs(), memory_format="preserve", passes=dropping_biases(channels_last=False))
     removed = set(model.state_dict()) - set(training.state_dict())
     mapping = training.parameter_map
     assert removed == {key for key, what in mapping.items() if what.startswith("dropped")}

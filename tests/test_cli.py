@@ -79,7 +79,7 @@ def test_passes_lists_every_registered_pass(capsys: pytest.CaptureFixture[str]) 
 def test_passes_says_how_to_ask_for_each_opt_in_pass(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "passes")
     rows = {line.split()[0]: line for line in out.splitlines()}
-    assert "default: inference " in rows["fold_conv_bn"] and "default: training " in rows["drop_conv_bias"]
+    assert "default: inference " in rows["fold_conv_bn"] and "opt-in: --passes" in rows["drop_conv_bias"]
     assert "opt-in: --precision" in rows["use_low_precision"] and "opt-in: --fuse" in rows["extract_pointwise_regions"]
     assert "opt-in: --passes" in rows["pad_channels"]
 
@@ -119,13 +119,17 @@ def test_optimize_prints_the_report_and_writes_json(capsys: pytest.CaptureFixtur
     assert any("bn" in rewrite["detail"] for rewrite in passes["fold_conv_bn"]["rewrites"])
 
 
-def test_optimize_in_training_mode_runs_drop_conv_bias(capsys: pytest.CaptureFixture[str]) -> None:
+def test_optimize_in_training_mode_runs_the_preset_and_opt_in_passes(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--mode", "training")
     assert code == 0, err
     assert "mode: training" in out
-    rows = table_rows(out)
-    assert list(rows) == list(PRESETS["training"])
-    assert int(rows["drop_conv_bias"][0]) > 0
+    assert list(table_rows(out)) == list(PRESETS["training"])
+    assert "drop_conv_bias" not in PRESETS["training"], "exact under plain SGD only: opt-in"
+
+    code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--mode", "training", "--passes", "drop_conv_bias")
+    assert code == 0, err
+    assert int(table_rows(out)["drop_conv_bias"][0]) > 0
+    assert "exact under plain SGD without weight decay only" in out  # the report's caveat
 
 
 def test_optimize_fuses_pointwise_regions(capsys: pytest.CaptureFixture[str]) -> None:

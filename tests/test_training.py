@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import graphopt
 from graphopt.checkpoint import to_optimized
 from graphopt.models import REFERENCE_MODELS
+from graphopt.pipeline import preset_with
 from graphopt.verify import tolerance_for
 from tests.conftest import randomize_batch_norms, relative_error
 from tests.ddp_training_worker import MODELS, STEPS as DDP_STEPS, WORLD_SIZE
@@ -71,7 +72,8 @@ def assert_same_state(optimized: graphopt.OptimizedModule, reference: nn.Module,
 
 @pytest.mark.parametrize("name", CNNS)
 def test_sgd_steps_match_the_original_in_float64(name: str) -> None:
-    """The training preset (drop_conv_bias, channels_last) gives the original's losses, weights and statistics.
+    """The training preset (channels_last) with the opt-in drop_conv_bias gives the original's losses, weights and
+    statistics under SGD without weight decay (where dropping the bias is exact).
 
     In float64: in float32 the two layouts round differently, and a ReLU input nearer 0
     than that rounding falls on either side, which changes whole channels' gradients after
@@ -80,7 +82,8 @@ def test_sgd_steps_match_the_original_in_float64(name: str) -> None:
     rounding is 2^29 times finer, so any difference here is the rewrite's.
     """
     model = randomize_batch_norms(REFERENCE_MODELS[name].build()).train().double()
-    optimized = graphopt.optimize(model, (batches()[0][0].double(),), frontend="fx", memory_format="channels_last")
+    passes = preset_with("training", ["drop_conv_bias"], low_precision=False, channels_last=True)
+    optimized = graphopt.optimize(model, (batches()[0][0].double(),), frontend="fx", memory_format="channels_last", passes=passes)
     assert optimized.graphopt_report["to_channels_last"].rewrites
     reference = copy.deepcopy(model)
 
@@ -102,12 +105,10 @@ def test_sgd_steps_match_the_original_in_float64(name: str) -> None:
 def test_bf16_sgd_steps_match_autocast(name: str) -> None:
     """graphopt's bf16 casts train like torch.autocast on the same layout, within bf16's tolerance.
 
-    drop_conv_bias is left out here: see the next test.
+    The preset, without the opt-in drop_conv_bias: see the next test.
     """
     model = REFERENCE_MODELS[name].build().train()
-    optimized = graphopt.optimize(
-        model, (batches()[0][0],), frontend="fx", memory_format="channels_last", precision="bf16", disable=["drop_conv_bias"]
-    )
+    optimized = graphopt.optimize(model, (batches()[0][0],), frontend="fx", memory_format="channels_last", precision="bf16")
     reference = copy.deepcopy(model).to(memory_format=torch.channels_last)
 
     expected_losses, losses = train(reference, autocast_bf16_channels_last), train(optimized, eager)
@@ -118,7 +119,7 @@ def test_bf16_sgd_steps_match_autocast(name: str) -> None:
 
 
 def test_bf16_training_preset_computes_autocast_losses_at_each_step() -> None:
-    """With drop_conv_bias, each step's loss is autocast's at the same weights.
+    """With drop_conv_bias opted in, each step's loss is autocast's at the same weights.
 
     bf16 rounds the conv output without its bias (autocast rounds conv + bias), so the
     gradients differ by bf16 rounding (as close to fp32 as autocast's: see
@@ -127,7 +128,8 @@ def test_bf16_training_preset_computes_autocast_losses_at_each_step() -> None:
     step it takes the optimized module's weights (``original_state_dict``).
     """
     model = REFERENCE_MODELS["resnet"].build().train()
-    optimized = graphopt.optimize(model, (batches()[0][0],), frontend="fx", memory_format="channels_last", precision="bf16")
+    passes = preset_with("training", ["drop_conv_bias"], low_precision=True, channels_last=True)
+    optimized = graphopt.optimize(model, (batches()[0][0],), frontend="fx", memory_format="channels_last", precision="bf16", passes=passes)
     assert len(optimized.graphopt_report["drop_conv_bias"].rewrites) == 5
     reference = copy.deepcopy(model).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(optimized.parameters(), lr=0.02, momentum=0.9)

@@ -79,11 +79,13 @@ def _bias_fix(conv: ast.Call, source: str) -> Edit | None:
     "just before it cancels out: it receives no gradient in training and only costs parameters, optimizer "
     "state, memory traffic and an extra add per element (the bias is folded into BatchNorm's running_mean "
     "in eval mode). Training from scratch with bias=False gives an equivalent model. For an already trained "
-    "model, graphopt.optimize's " f"{drop_conv_bias.__name__} pass removes the bias exactly (it moves it into running_mean), "
-    "which this source edit cannot: checkpoints saved with the bias no longer load with strict=True.",
+    "model, graphopt.optimize's opt-in " f"{drop_conv_bias.__name__} pass removes the bias (it moves it into running_mean), "
+    "which this source edit cannot: checkpoints saved with the bias no longer load with strict=True. Training "
+    "goes on exactly as the original's under plain SGD without weight decay only: weight decay or Adam would have "
+    "moved the bias.",
     "Pass bias=False to the convolution (the fix applies it). To keep loading trained weights, leave the "
-    'source as it is and let graphopt.optimize(model, inputs, mode="training") drop the bias (its '
-    f"{drop_conv_bias.__name__} pass).",
+    f'source as it is and ask graphopt.optimize(model, inputs, mode="training", passes=[..., "{drop_conv_bias.__name__}"]) '
+    "to drop the bias.",
 )
 def conv_bias_before_bn(tree: ast.Module, facts: Facts) -> Iterator[Match]:
     for call in calls(tree):

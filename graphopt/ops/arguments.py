@@ -4,6 +4,13 @@ An ATen overload names its arguments in its schema; a Python function (``F.relu`
 ``F.batch_norm``) in its signature. Functions written in C (``torch.relu``,
 ``F.conv2d``) have no Python signature: the views name the ATen overload such a
 function calls and read that schema.
+
+An argument that is a constant in the op's signature (``eps``, ``p``, ``stride``,
+``groups``, ``dim``...) may still be a graph value: fx keeps a number passed to
+forward() as a placeholder, and a value computed from a shape is a node. Views read
+such constants with `Arguments.not_constant` first: a graph value makes the view
+unsupported, with the reason a pass records (``report.skip``), never a crash or a
+guess from the example.
 """
 
 from __future__ import annotations
@@ -29,6 +36,18 @@ class Arguments:
             return self.node.args[index]
         return self.node.kwargs.get(name, self.defaults.get(name))
 
+    def not_constant(self, *names: str) -> str | None:
+        """Why the op's constant arguments ``names`` cannot be read when optimizing: the first holding a graph value, else None.
+
+        Names the op does not take are ignored (one list serves every overload of a family).
+        """
+        for name in names:
+            if name in self.names:
+                reason = not_constant(self.node, name, self.get(name))
+                if reason is not None:
+                    return reason
+        return None
+
     def set(self, name: str, value: Any) -> None:
         index = self.names.index(name)
         if index < len(self.node.args):
@@ -37,6 +56,23 @@ class Arguments:
             self.node.args = tuple(args)
         else:
             self.node.kwargs = {**self.node.kwargs, name: value}
+
+
+def graph_values(value: Any) -> list[fx.Node]:
+    """The graph values (fx nodes) in an argument: the argument itself, or items of its lists, tuples and dicts."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return found
+
+
+def not_constant(node: fx.Node, name: str, value: Any) -> str | None:
+    """Why argument ``name`` (``value``) of ``node`` cannot be read when optimizing (it holds a graph value), else None."""
+    sources = graph_values(value)
+    if not sources:
+        return None
+    source = sources[0]
+    origin = f"forward() argument '{source.target}'" if source.op == "placeholder" else f"computed in the graph ('{source.name}')"
+    return f"the {name} argument of '{node.name}' is {origin}, not a constant: graphopt cannot read it when optimizing"
 
 
 def argument_names(target: Any) -> tuple[str, ...]:

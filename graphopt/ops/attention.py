@@ -44,6 +44,7 @@ class SoftmaxView:
     input: Any
     dim: int | None
     dtype: Any  # a dtype argument (or aten._softmax's half_to_float) that changes the result's dtype
+    unsupported: str | None = None  # why it cannot be rewritten: its dim or dtype is a graph value
 
 
 def softmax_view(gm: fx.GraphModule, node: fx.Node) -> SoftmaxView | None:
@@ -60,7 +61,7 @@ def softmax_view(gm: fx.GraphModule, node: fx.Node) -> SoftmaxView | None:
     else:
         return None
     dtype = arguments.get("half_to_float") if "half_to_float" in arguments.names else arguments.get("dtype")
-    return SoftmaxView(node, node.args[0], arguments.get("dim"), dtype or None)
+    return SoftmaxView(node, node.args[0], arguments.get("dim"), dtype or None, arguments.not_constant("dim", "dtype", "half_to_float"))
 
 
 def swapped_last_dims_input(gm: nn.Module, node: fx.Node, rank: int) -> Any:
@@ -69,6 +70,8 @@ def swapped_last_dims_input(gm: nn.Module, node: fx.Node, rank: int) -> Any:
         return None
     method = node.op == "call_method" and node.target
     if method == "transpose" or node.target in (torch.transpose, aten.transpose.int):
+        if not all(isinstance(d, int) for d in node.args[1:]):
+            return None  # dims that are graph values (forward() arguments) are unknown until run time
         dims = sorted(d % rank for d in node.args[1:])
         return node.args[0] if dims == [rank - 2, rank - 1] else None
     if permute_dims(node) == [*range(rank - 2), rank - 1, rank - 2]:

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphopt.ops.arguments import call_arguments
+from graphopt.ops.arguments import call_arguments, graph_values
 from graphopt.ops.graph import Form, called_module, get_attr, stored_tensor
 
 aten = torch.ops.aten
@@ -44,8 +44,8 @@ class BatchNormView:
     form: Form
     input: fx.Node
     output: fx.Node | None  # node holding the normalised tensor; None if other results are used too
-    training: bool  # normalises with batch statistics (and updates running ones)
-    eps: float
+    training: bool  # normalises with batch statistics (and updates running ones); True when unknown (a graph value)
+    eps: float | None  # None when it is a graph value (``unsupported`` says so)
     num_features: int | None
     weight: torch.Tensor | None
     bias: torch.Tensor | None
@@ -103,7 +103,8 @@ def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
         # the counter is not an argument: it lives beside the running mean
         counter = running_mean_target.removesuffix("running_mean") + "num_batches_tracked"
         targets["num_batches_tracked"] = counter if _has_attr(gm, counter) else None
-    unsupported = None
+    # momentum is not read: folding ignores it and a dropped bias stays exact under any momentum
+    unsupported = arguments.not_constant("training", "eps")
     for name, value in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
         if arguments.get(name) is not None and value is None:
             unsupported = f"the {name} of '{node.name}' is computed in the graph, not a stored tensor"
@@ -112,14 +113,16 @@ def batch_norm_view(gm: fx.GraphModule, node: fx.Node) -> BatchNormView | None:
         users = list(node.users)
         is_first_item = [u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users]
         output = users[0] if len(users) == 1 and is_first_item[0] else None
-    training = bool(arguments.get("training")) if "training" in arguments.names else False
+    flag = arguments.get("training") if "training" in arguments.names else False
+    training = True if graph_values(flag) else bool(flag)  # unknown: read as batch statistics, which no pass folds
+    eps = arguments.get("eps")
     return BatchNormView(
         node=node,
         form=form,
         input=node.args[0],  # type: ignore[arg-type]
         output=output,
         training=training,
-        eps=float(arguments.get("eps")),
+        eps=None if graph_values(eps) else float(eps),
         num_features=running_mean.numel() if running_mean is not None else None,
         weight=weight,
         bias=bias,

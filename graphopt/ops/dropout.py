@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphopt.ops.arguments import call_arguments
+from graphopt.ops.arguments import call_arguments, graph_values
 from graphopt.ops.graph import Form, called_module
 
 aten = torch.ops.aten
@@ -52,8 +52,9 @@ class DropoutView:
     node: fx.Node
     form: Form
     input: Any
-    active: bool  # randomly drops values when executed
+    active: bool  # randomly drops values when executed; True when unknown (``unsupported`` says why)
     kind: str
+    unsupported: str | None = None  # why whether it is active is unknown: its p or training is a graph value
 
     @property
     def per_element(self) -> bool:
@@ -75,6 +76,10 @@ def dropout_view(gm: fx.GraphModule, node: fx.Node) -> DropoutView | None:
         return None
     form, named_by = _DROPOUT_FUNCTIONS[node.target]
     arguments = call_arguments(node, named_by)
-    training = arguments.get("training") if "training" in arguments.names else arguments.get("train")
-    active = bool(training) and float(arguments.get("p")) > 0
-    return DropoutView(node, form, node.args[0], active, getattr(node.target, "__name__", str(node.target)))
+    flag = "training" if "training" in arguments.names else "train"
+    training, p = arguments.get(flag), arguments.get("p")
+    kind = getattr(node.target, "__name__", str(node.target))
+    if (not graph_values(training) and not training) or (not graph_values(p) and float(p) == 0):
+        return DropoutView(node, form, node.args[0], False, kind)
+    # active unless a graph value (a forward() argument) turns it off at run time: read as active, the safe side
+    return DropoutView(node, form, node.args[0], True, kind, arguments.not_constant(flag, "p"))

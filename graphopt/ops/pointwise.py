@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from graphopt.ops.arguments import Arguments, argument_names
+from graphopt.ops.arguments import Arguments, argument_names, graph_values
 from graphopt.ops.graph import Form, called_module, is_call_to
 from graphopt.ops.transfers import is_dtype_cast
 
@@ -109,16 +109,20 @@ class ActivationView:
     input: Any
     kind: str
     parameters: dict[str, Any]  # e.g. hardtanh's min_val/max_val, gelu's approximate
+    unsupported: str | None = None  # why it cannot be fused: a parameter is a graph value (then not in ``parameters``)
 
 
-def _activation(node: fx.Node, row: Activation, read: Callable[[str, Any], Any]) -> ActivationView:
-    """The view of ``node`` computing ``row``, each parameter from ``read(name, default)``."""
+def _activation(node: fx.Node, row: Activation, read: Callable[[str, Any], Any], arguments: Arguments | None = None) -> ActivationView:
+    """The view of ``node`` computing ``row``, each parameter from ``read(name, default)`` (``arguments``: a call's)."""
     assert row.post_op is not None
+    unsupported = arguments.not_constant(*row.parameters) if arguments is not None else None
     if row.post_op_parameters is not None:
         parameters = dict(row.post_op_parameters)
+    elif unsupported is not None:
+        parameters = {}
     else:
         parameters = {name: read(name, default) for name, default in row.parameters.items()}
-    return ActivationView(node, node.args[0], row.post_op, parameters)
+    return ActivationView(node, node.args[0], row.post_op, parameters, unsupported)
 
 
 def activation_view(gm: fx.GraphModule, node: fx.Node) -> ActivationView | None:
@@ -136,7 +140,7 @@ def activation_view(gm: fx.GraphModule, node: fx.Node) -> ActivationView | None:
     row = _FUSED_BY_TARGET[node.target]
     # functions written in C (F.gelu) have no Python signature: the ATen op they call names their arguments
     arguments = Arguments(node, argument_names(node.target) or argument_names(row.aten[0]), {})
-    return _activation(node, row, lambda name, default: default if arguments.get(name) is None else arguments.get(name))
+    return _activation(node, row, lambda name, default: default if arguments.get(name) is None else arguments.get(name), arguments)
 
 
 def is_unary_pointwise(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -214,12 +218,11 @@ def pointwise_view(gm: fx.GraphModule, node: fx.Node) -> PointwiseView | None:
         return None
     if node.target not in _POINTWISE_FUNCTIONS:
         return None
-    in_place = node.kwargs.get("inplace") is True
     names = argument_names(node.target)
-    if not in_place and "inplace" in names:
-        index = names.index("inplace")
-        in_place = len(node.args) > index and node.args[index] is True
-    return PointwiseView(node, "function", in_place)
+    index = names.index("inplace") if "inplace" in names else None
+    flag = node.args[index] if index is not None and len(node.args) > index else node.kwargs.get("inplace")
+    # a graph value (a forward() argument) may be True at run time: read as in place, the safe side
+    return PointwiseView(node, "function", flag is True or bool(graph_values(flag)))
 
 
 # --------------------------------------------------------------------------- binary arithmetic

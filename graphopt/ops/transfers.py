@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.ops.arguments import call_arguments
+from graphopt.ops.arguments import call_arguments, not_constant
 from graphopt.ops.graph import Form
 
 aten = torch.ops.aten
@@ -50,6 +50,8 @@ class TransferView:
 
     ``device`` and ``dtype`` are a fixed value, a node (the tensor whose device or dtype
     is read at run time, as in ``.to(x.device)`` or ``.to(x)``) or None (not changed).
+    A node the capture recorded as no tensor (``.to(dtype)`` with a dtype passed to
+    forward()) is a target known only at run time: ``unsupported`` says so.
     """
 
     node: fx.Node
@@ -60,6 +62,7 @@ class TransferView:
     non_blocking: bool
     copy: bool  # copies even when nothing changes (copy=True, aten._to_copy)
     memory_format: torch.memory_format | None
+    unsupported: str | None = None  # why the target is unknown when optimizing: a dtype or device passed to forward()
 
     def set_non_blocking(self) -> None:
         if self.form == "aten":
@@ -108,10 +111,22 @@ def _method_transfer(node: fx.Node) -> TransferView | None:
         dtype = _dtype_operand(kwargs.get("dtype", dtype))
     else:
         return None
+    # .to(other) reads other's device and dtype at run time; a dtype or device passed to forward() is no tensor to read
+    unknown = next((operand for operand in (device, dtype) if _recorded_as_non_tensor(operand)), None)
     return TransferView(
         node, "function", source, device, dtype, bool(kwargs.get("non_blocking", False)), bool(kwargs.get("copy", False)),
-        kwargs.get("memory_format"),
+        kwargs.get("memory_format"), None if unknown is None else not_constant(node, "device/dtype", unknown),
     )
+
+
+def _recorded_as_non_tensor(value: Any) -> bool:
+    """Whether ``value`` is a graph value the capture recorded as something other than a tensor (a dtype, a device)."""
+    if not isinstance(value, fx.Node):
+        return False
+    if "val" in value.meta:  # torch.export
+        return not isinstance(value.meta["val"], torch.Tensor)
+    recorded = value.meta.get("type")  # ShapeProp, after symbolic_trace
+    return isinstance(recorded, type) and not issubclass(recorded, torch.Tensor)
 
 
 def transfer_view(gm: fx.GraphModule, node: fx.Node) -> TransferView | None:

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from graphopt.ops.arguments import Arguments, argument_names
+from graphopt.ops.arguments import Arguments, argument_names, graph_values
 from graphopt.ops.graph import Form, add_tensor, called_module, delete_attr, get_attr, replace_tensor, stored_tensor
 
 aten = torch.ops.aten
@@ -77,14 +77,14 @@ class WeightedOpView:
     form: Form
     spatial_dims: int  # 0 for linear
     transposed: bool
-    groups: int
+    groups: int | None  # None when it is a graph value (``unsupported`` says so)
     weight: torch.Tensor | None  # None when the weight is computed in the graph
     bias: torch.Tensor | None
     weight_target: str | None  # attribute path of the weight, when it is a stored tensor
     bias_target: str | None
     module: nn.Module | None = None
     arguments: Arguments | None = None
-    unsupported: str | None = None  # why a rewrite of this op cannot be trusted
+    unsupported: str | None = None  # why a rewrite of this op cannot be trusted (a computed weight, graph-valued groups...)
 
     @property
     def kind(self) -> str:
@@ -202,20 +202,23 @@ def weighted_op_view(gm: fx.GraphModule, node: fx.Node) -> WeightedOpView | None
     arguments = _arguments(node, overload)
     weight, weight_target = stored_tensor(gm, arguments.get("weight"))
     bias, bias_target = stored_tensor(gm, arguments.get("bias"))
-    if transposed is None:  # aten.convolution: read rank and kind from the arguments
+    if transposed is None:  # aten.convolution: read rank and kind from the arguments (a list and a bool in its schema)
         transposed = bool(arguments.get("transposed"))
         spatial_dims = len(arguments.get("stride"))
-    unsupported = None
+    # read here: the rest of the geometry (stride, padding, dilation) only matters to a pass that hands the op to
+    # another kernel, which reads it through `arguments` and asks `arguments.not_constant` first
+    unsupported = arguments.not_constant("groups", "transposed")
     if weight is None:
         unsupported = f"the weight of '{node.name}' is computed in the graph, not a stored parameter"
     elif arguments.get("bias") is not None and bias is None:
         unsupported = f"the bias of '{node.name}' is computed in the graph, not a stored parameter"
+    groups = arguments.get("groups") if spatial_dims else 1
     return WeightedOpView(
         node=node,
         form=form,
         spatial_dims=spatial_dims,
         transposed=transposed,
-        groups=int(arguments.get("groups") or 1) if spatial_dims else 1,
+        groups=None if graph_values(groups) else int(groups or 1),
         weight=weight,
         bias=bias,
         weight_target=weight_target,

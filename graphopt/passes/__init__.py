@@ -115,12 +115,13 @@ REGISTRY: dict[str, PassInfo] = {
             presets=("inference",),
             changes_state=True,
         ),
+        # opt-in: exact under plain SGD only, and the optimizer is unknown when optimizing (see its module docstring)
         PassInfo(
             "drop_conv_bias",
             drop_conv_bias,
             ("training", "inference"),
-            "drop the bias of a conv/linear feeding a BatchNorm (exact, fewer parameters)",
-            presets=("training",),
+            "drop the bias of a conv/linear feeding a BatchNorm (fewer parameters; training stays exact under plain SGD "
+            "without weight decay only; opt-in: passes=[...])",
             changes_state=True,
         ),
         # after the exact rewrites, before the layout and kernel choices that depend on each value's dtype

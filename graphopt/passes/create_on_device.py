@@ -20,7 +20,8 @@ Exact: the values are the ones the move produced. Guards, each a recorded skip:
   number format, draws other values), and ``arange``/``linspace`` when the dtype changes
   (they compute their values in the dtype), unless their arguments are integers the
   dtype holds exactly (``torch.arange(n).float()``);
-- parameters and buffers (``module.to(device)`` moves those).
+- parameters and buffers (``module.to(device)`` moves those);
+- a move whose target is a dtype or device passed to forward(): known only at run time.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def create_on_device(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         before, after = values.get(source), values.get(node)
         if factory is None and (not is_constant or after is None or before == after):
             continue  # a constant already where it is used is not copied: a no-op move is remove_redundant_transfers' job
-        reason = _guard(gm, node, source, constant, factory.kind if factory else None, before, after)
+        # a target passed to forward() (move.unsupported): the example's says nothing of other calls'
+        reason = move.unsupported or _guard(gm, node, source, constant, factory.kind if factory else None, before, after)
         if reason is not None:
             report.skip(node, reason)
             continue

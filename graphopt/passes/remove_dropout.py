@@ -7,7 +7,8 @@ and lets later passes see through them. Users of the node read its input instead
 
 Guard: a dropout that is active in this graph (``F.dropout(x, p)`` defaults to
 ``training=True`` even in an eval model, e.g. Monte-Carlo dropout) is kept, with the
-reason recorded.
+reason recorded; so is one whose ``p`` or ``training`` is a graph value (a forward()
+argument): whether it is active is known only at run time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def remove_dropout(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in list(gm.graph.nodes):
         dropout = dropout_view(gm, node)
         if dropout is None:
+            continue
+        if dropout.unsupported is not None:
+            report.skip(node, f"{dropout.kind} may be active at run time: {dropout.unsupported}")
             continue
         if dropout.active:
             report.skip(node, f"{dropout.kind} is active (training=True, p > 0) in this graph; removing it would change outputs")

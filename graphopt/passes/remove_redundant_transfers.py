@@ -19,7 +19,9 @@ Guards, each a recorded skip:
   after ``module.to(other_device)``;
 - ``non_blocking`` is not set on copies of graph inputs, parameters or buffers (the
   caller or the optimizer may overwrite pinned host memory while the copy is in flight)
-  nor of values written in place afterwards.
+  nor of values written in place afterwards;
+- a move whose target is a dtype or device passed to forward() (fx keeps it a graph
+  input): the example's target says nothing of other calls'.
 
 Devices and dtypes are the ones seen on the example inputs, on the device the model is
 optimized for (``optimize(device=...)``).
@@ -48,7 +50,7 @@ def _holds(dtype: torch.dtype, other: torch.dtype) -> bool:
 def _chain(gm: fx.GraphModule, move: TransferView) -> list[TransferView]:
     """``move`` and the moves and casts feeding it, nearest first."""
     chain = [move]
-    while (before := transfer_view(gm, chain[-1].input)) is not None:
+    while (before := transfer_view(gm, chain[-1].input)) is not None and before.unsupported is None:
         chain.append(before)
     return chain
 
@@ -63,6 +65,9 @@ def remove_redundant_transfers(gm: fx.GraphModule, ctx: PassContext) -> PassResu
     for node in list(gm.graph.nodes):
         move = transfer_view(gm, node)
         if move is None or node not in values:
+            continue
+        if move.unsupported is not None:  # the example's target says nothing of other calls' targets
+            report.skip(node, move.unsupported)
             continue
         start, reason = _redundant_from(gm, move, values, fixed)
         if reason is not None:

@@ -162,10 +162,12 @@ def to_channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     random_order = [node for node in gm.graph.nodes if _draws_in_memory_order(gm, node)]
     if random_order:
         for node in random_order:
+            unknown = dropout_view(gm, node).unsupported  # type: ignore[union-attr]
             report.skip(
                 node,
                 "active dropout of a 4-D/5-D tensor draws its mask in memory order: in channels_last the same seed "
-                "would drop other elements than the original, which no check can tell from a wrong result",
+                "would drop other elements than the original, which no check can tell from a wrong result"
+                + (f" (read as active: {unknown})" if unknown else ""),
             )
         return finish(gm, False, report)
     conv_ranks: dict[fx.Node, int] = {}

@@ -71,7 +71,7 @@ def use_attention_kernel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in list(gm.graph.nodes):
         softmax = softmax_view(gm, node)
         if softmax is not None:
-            reason = _fuse_attention(gm, softmax.node, softmax.input, softmax.dim, softmax.dtype, report)
+            reason = softmax.unsupported or _fuse_attention(gm, softmax.node, softmax.input, softmax.dim, softmax.dtype, report)
         elif isinstance(called_module(gm, node), nn.MultiheadAttention):
             reason = _decompose_multihead_attention(gm, node, report)
         else:
@@ -148,7 +148,7 @@ def _fuse_attention(
     query, transposed_key = matmul_operands(gm, product)  # type: ignore[misc]
     key = swapped_last_dims_input(gm, transposed_key, rank) if isinstance(transposed_key, fx.Node) else None
     if key is None:
-        return "the keys are not transposed in the graph (transpose/permute of the last two dims)"
+        return "the keys are not transposed in the graph (transpose/permute of the last two dims, given as numbers)"
     shapes = [_shape(value) for value in (query, key, values)]
     if any(s is None or s[:-2] != shape[:-2] for s in shapes):
         return f"queries, keys and values {shapes} do not all have the scores' batch shape {shape[:-2]}: SDPA would broadcast differently"

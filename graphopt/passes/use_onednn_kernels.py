@@ -31,11 +31,13 @@ Preconditions, each a recorded skip reason:
   (bfloat16 needs oneDNN bf16 support on this CPU);
 - conv2d/conv3d (oneDNN weight prepacking has no conv1d), not transposed, numeric padding;
 - weights are stored tensors, not shared with another op, the module called once;
+  stride, padding, dilation and groups are constants, not graph values (forward() arguments);
 - on the example inputs the fused op returns the dtype, shape and memory layout of the
   ops it replaces, within the dtype's tolerance (oneDNN returns channels_last for an NCHW
   input: the pass pays off with ``memory_format="channels_last"``). An activation or add
   that does not pass this check is left out of the fusion and the report says why.
-An activation or an add is fused only when it is the conv/linear output's only reader.
+An activation or an add is fused only when it is the conv/linear output's only reader, an
+activation only when its parameters are constants (else a recorded skip).
 
 The planning (`plan_fusions`, `settle_fusions`) is shared with `use_onednn_linear`, which
 runs large linears on oneDNN without prepacking, by default.
@@ -54,6 +56,7 @@ from torch.nn.modules.utils import _ntuple
 
 from graphopt import verify
 from graphopt.ops import (
+    ActivationView,
     ParameterUsage,
     WeightedOpView,
     activation_view,
@@ -71,11 +74,8 @@ mkldnn = torch.ops.mkldnn
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _post_op(gm: fx.GraphModule, node: fx.Node) -> PostOp | None:
-    """The oneDNN post-op computing activation ``node``, else None."""
-    view = activation_view(gm, node)
-    if view is None:
-        return None
+def _post_op(view: ActivationView) -> PostOp:
+    """The oneDNN post-op computing the activation ``view`` (supported: its parameters are constants)."""
     parameters = view.parameters
     if view.kind == "hardtanh":
         return PostOp("hardtanh", (float(parameters["min_val"]), float(parameters["max_val"])))
@@ -107,6 +107,7 @@ class Fusion:
     kernel: Kernel | None = None
     length: int = 0  # how many of `nodes` the kernel replaces
     reason: str | None = None  # why the longest fusion (or any) was refused
+    unfused_activation: ActivationView | None = None  # the activation after the op that cannot join it (unsupported)
 
     @property
     def other(self) -> fx.Node | None:
@@ -161,6 +162,8 @@ def _guard(view: WeightedOpView, ctx: PassContext, usage: ParameterUsage) -> str
         return "transposed convolution: not prepacked"
     if view.spatial_dims == 1:
         return "conv1d: oneDNN weight prepacking supports conv2d and conv3d only"
+    if view.arguments is not None and (unknown := view.arguments.not_constant("stride", "padding", "dilation")):
+        return unknown  # the kernel is built for one geometry
     if view.spatial_dims and isinstance(_conv_geometry(view)[0], str):
         return f"padding={_conv_geometry(view)[0]!r}: only numeric padding is prepacked"
     return usage.sharing(view)
@@ -185,10 +188,12 @@ def _plan(gm: fx.GraphModule, view: WeightedOpView, claimed: set[fx.Node]) -> Fu
         nodes.append(reader)  # type: ignore[arg-type]
         other_index = 1 if operands[0] is view.node else 0
         reader = _only_reader(reader, claimed) if view.kind != "linear" else None  # oneDNN linear+add takes no activation
-    found = _post_op(gm, reader) if reader is not None else None
-    if found is not None and activation_view(gm, reader).input is nodes[-1]:  # type: ignore[union-attr]
-        nodes.append(reader)  # type: ignore[arg-type]
-        post_op = found
+    activation = activation_view(gm, reader) if reader is not None else None
+    if activation is not None and activation.input is nodes[-1]:
+        if activation.unsupported is not None:
+            return Fusion(view, nodes, other_index, post_op, unfused_activation=activation)
+        nodes.append(activation.node)
+        post_op = _post_op(activation)
     return Fusion(view, nodes, other_index, post_op)
 
 
@@ -207,6 +212,8 @@ def plan_fusions(
             report.skip(node, reason)
             continue
         fusion = _plan(gm, view, claimed)
+        if fusion.unfused_activation is not None:
+            report.skip(fusion.unfused_activation.node, f"not fused into the {view.kind}: {fusion.unfused_activation.unsupported}")
         claimed.update(fusion.nodes)
         fusions.append(fusion)
     return fusions

@@ -76,3 +76,29 @@ def test_call_arguments_take_the_defaults_the_op_declares() -> None:
     assert ops.call_arguments(softmax).get("_stacklevel") == 3  # F.softmax's signature
     assert ops.call_arguments(softmax).get("dim") == 1
     assert ops.call_arguments(batch_norm, aten.batch_norm.default).get("eps") == 1e-3  # named by the ATen schema
+
+
+# --------------------------------------------------------------------------- constants that are graph values
+
+NOT_READABLE = "not a constant: graphopt cannot read it when optimizing"
+
+
+class GraphValuedConv(nn.Module):
+    """F.conv2d with its stride passed to forward() (inside a tuple) and its padding computed from the input's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 2, 3, 3))
+
+    def forward(self, x: torch.Tensor, stride: int) -> torch.Tensor:
+        return F.conv2d(x, self.weight, None, (stride, stride), x.shape[-1] // 8, 1)
+
+
+def test_not_constant_names_the_first_argument_that_is_a_graph_value_and_where_it_comes_from() -> None:
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(GraphValuedConv())
+    arguments = ops.Arguments(only_view(gm, ops.weighted_op_view).node, CONV_NAMES, {"groups": 1})
+    assert arguments.not_constant("dilation", "groups") is None  # a constant and a default
+    assert arguments.not_constant("no_such_argument") is None  # names the op does not take are ignored
+    assert arguments.not_constant("dilation", "stride", "padding") == f"the stride argument of 'conv2d' is forward() argument 'stride', {NOT_READABLE}"
+    assert arguments.not_constant("padding") == f"the padding argument of 'conv2d' is computed in the graph ('floordiv'), {NOT_READABLE}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +156,32 @@ def test_batch_norm_view_decomposed_aten_form_points_at_the_result_item() -> Non
     assert view.output is not view.node
     assert view.output.target is operator.getitem and view.output.args == (view.node, 0)
     torch.testing.assert_close(view.running_var, bn.running_var, rtol=0, atol=0)
+
+
+class GraphValuedBatchNorm(nn.Module):
+    """F.batch_norm with one argument (eps, training or momentum) passed to forward(): fx keeps it a placeholder."""
+
+    def __init__(self, argument: str) -> None:
+        super().__init__()
+        self.argument = argument
+        self.register_buffer("mean", torch.randn(4))
+        self.register_buffer("var", torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor, value: Any) -> torch.Tensor:
+        arguments = {"training": False, "momentum": 0.1, "eps": 1e-4, self.argument: value}
+        return F.batch_norm(x, self.mean, self.var, **arguments)
+
+
+@pytest.mark.parametrize("argument", ["eps", "training"])
+def test_batch_norm_view_with_a_graph_valued_eps_or_training_flag_is_unsupported(argument: str) -> None:
+    view = only_view(fx.symbolic_trace(GraphValuedBatchNorm(argument)), ops.batch_norm_view)
+    assert view.unsupported == f"the {argument} argument of 'batch_norm' is forward() argument 'value', not a constant: graphopt cannot read it when optimizing"
+    assert view.training is (argument == "training")  # an unknown flag reads as batch statistics, which no pass folds
+    assert view.eps is None if argument == "eps" else view.eps == pytest.approx(1e-4)
+
+
+def test_batch_norm_view_does_not_need_momentum() -> None:
+    """Folding ignores momentum and a dropped bias stays exact under any: a graph-valued momentum blocks nothing."""
+    view = only_view(fx.symbolic_trace(GraphValuedBatchNorm("momentum")), ops.batch_norm_view)
+    assert view.unsupported is None
+    assert view.training is False and view.eps == pytest.approx(1e-4)

@@ -104,3 +104,32 @@ def test_dropout_view_aten_form_keeps_functional_training_flag_of_an_eval_model(
     gm = export_module(FunctionalDropout(lambda x: F.dropout(x, 0.1)).eval(), torch.randn(2, 4))
     view = only_view(gm, ops.dropout_view)
     assert view.active is True
+
+
+class GraphValuedDropout(nn.Module):
+    """``call(x, value)``: a dropout whose p or training flag is passed to forward() (fx keeps it a placeholder)."""
+
+    def __init__(self, call: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.call = call
+
+    def forward(self, x: torch.Tensor, value: Any) -> torch.Tensor:
+        return self.call(x, value)
+
+
+@pytest.mark.parametrize(
+    ("call", "active", "unknown"),
+    [
+        pytest.param(lambda x, p: F.dropout(x, p, training=True), True, "p", id="p"),
+        pytest.param(lambda x, t: F.dropout(x, 0.5, training=t), True, "training", id="training"),
+        pytest.param(lambda x, t: torch.dropout(x, 0.5, t), True, "train", id="torch.dropout_train"),
+        pytest.param(lambda x, p: F.dropout(x, p, training=False), False, None, id="inactive_whatever_p"),
+        pytest.param(lambda x, t: F.dropout(x, 0.0, training=t), False, None, id="p=0_whatever_the_flag"),
+    ],
+)
+def test_dropout_view_with_a_graph_valued_argument(call: Callable[[torch.Tensor, Any], torch.Tensor], active: bool, unknown: str | None) -> None:
+    """Active unless a constant says otherwise; ``unsupported`` names the graph value it depends on."""
+    view = only_view(fx.symbolic_trace(GraphValuedDropout(call)), ops.dropout_view)
+    assert view.active is active
+    expected = f"the {unknown} argument of '{view.node.name}' is forward() argument 'value', not a constant: graphopt cannot read it when optimizing"
+    assert view.unsupported == (None if unknown is None else expected)

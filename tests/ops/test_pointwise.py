@@ -223,3 +223,33 @@ def test_pointwise_view_to_function_clears_an_inplace_flag(target: Any, args: tu
     assert view.in_place
     view.to_function(gm)
     assert ops.call_arguments(node).get("inplace") is False
+
+
+class GraphValuedActivation(nn.Module):
+    """``call(x, value)``: an activation whose parameter or inplace flag is passed to forward() (a placeholder under fx)."""
+
+    def __init__(self, call: Any) -> None:
+        super().__init__()
+        self.call = call
+
+    def forward(self, x: torch.Tensor, value: Any) -> torch.Tensor:
+        return self.call(x * 2, value)
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [(lambda x, slope: F.leaky_relu(x, slope), "negative_slope"), (lambda x, low: F.hardtanh(x, low, 2.0), "min_val")],
+    ids=["leaky_relu", "hardtanh"],
+)
+def test_activation_view_with_a_graph_valued_parameter_is_unsupported(call: Any, argument: str) -> None:
+    gm = fx.symbolic_trace(GraphValuedActivation(call))
+    view = next(view for node in gm.graph.nodes if (view := ops.activation_view(gm, node)) is not None)
+    assert view.parameters == {}  # nothing to fuse with: the value is known only at run time
+    assert view.unsupported == f"the {argument} argument of '{view.node.name}' is forward() argument 'value', not a constant: graphopt cannot read it when optimizing"
+
+
+def test_pointwise_view_reads_a_graph_valued_inplace_flag_as_in_place() -> None:
+    """The flag may be True at run time: reading it as in place keeps the write where a pass would drop it."""
+    gm = fx.symbolic_trace(GraphValuedActivation(lambda x, flag: F.relu(x, inplace=flag)))
+    relu = next(node for node in gm.graph.nodes if node.target is F.relu)
+    assert ops.pointwise_view(gm, relu).in_place

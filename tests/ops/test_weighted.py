@@ -385,3 +385,31 @@ def test_set_weight_and_set_bias_keep_requires_grad_of_the_weight(form: str) -> 
     view.set_bias(gm, torch.randn(4))
     assert isinstance(view.weight, nn.Parameter) and isinstance(view.bias, nn.Parameter)
     assert not view.weight.requires_grad and not view.bias.requires_grad
+
+
+class GraphValuedGeometry(nn.Module):
+    """F.conv2d with its groups or its stride passed to forward() (fx keeps it a placeholder)."""
+
+    def __init__(self, argument: str) -> None:
+        super().__init__()
+        self.argument = argument
+        self.weight = nn.Parameter(torch.randn(4, 2, 3, 3))
+
+    def forward(self, x: torch.Tensor, value: int) -> torch.Tensor:
+        return F.conv2d(x, self.weight, **{"groups": 2, self.argument: value})
+
+
+def test_weighted_op_view_with_graph_valued_groups_is_unsupported() -> None:
+    view = only_view(fx.symbolic_trace(GraphValuedGeometry("groups")), ops.weighted_op_view)
+    assert view.groups is None
+    assert view.unsupported == "the groups argument of 'conv2d' is forward() argument 'value', not a constant: graphopt cannot read it when optimizing"
+
+
+def test_weighted_op_view_leaves_a_graph_valued_stride_to_the_passes_that_read_it() -> None:
+    """Folding a BatchNorm or casting the weight needs no stride; a pass handing the op to another kernel asks."""
+    view = only_view(fx.symbolic_trace(GraphValuedGeometry("stride")), ops.weighted_op_view)
+    assert view.unsupported is None and view.groups == 2
+    assert view.arguments is not None
+    assert view.arguments.not_constant("stride", "padding", "dilation") == (
+        "the stride argument of 'conv2d' is forward() argument 'value', not a constant: graphopt cannot read it when optimizing"
+    )

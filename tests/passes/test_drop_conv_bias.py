@@ -1,4 +1,4 @@
-"""drop_conv_bias: exact in train and eval mode, gradients unchanged, guards recorded."""
+"""drop_conv_bias: exact in train and eval mode under plain SGD, gradients unchanged, guards recorded; opt-in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+import graphopt
+from graphopt.passes import REGISTRY
 from graphopt.passes.drop_conv_bias import drop_conv_bias
+from graphopt.pipeline import PRESETS
 from tests.conftest import FRONTENDS, ConvOutputReused, assert_same_outputs, assert_trains_like, captured, context, randomize_batch_norms
 
 LAYERS = {
@@ -175,3 +178,47 @@ def test_functional_form_drops_the_parameter() -> None:
     assert drop_conv_bias(gm, context(inputs, "training")).modified
     assert "conv_bias" not in dict(gm.named_parameters())
     assert_trains_like(model, gm, inputs)
+
+
+# --------------------------------------------------------------------------- opt-in: exact under plain SGD only
+
+
+def two_convs() -> nn.Module:
+    """Two conv -> BatchNorm pairs with large biases, and a linear head."""
+    layers = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU()]
+    return with_biases(nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 4 * 4, 2)))
+
+
+def test_the_training_preset_keeps_the_bias_so_adamw_trains_like_the_original() -> None:
+    """AdamW moves the original's bias (its gradient, rounding noise, normalised into steps; the decay pulls it),
+    which a dropped bias cannot follow: no preset drops it, and 8 identical steps leave eval outputs equal."""
+    assert "drop_conv_bias" not in PRESETS["training"] and REGISTRY["drop_conv_bias"].presets == ()
+    torch.manual_seed(0)
+    model = two_convs().train()
+    inputs = (torch.randn(8, 3, 8, 8),)
+    optimized = graphopt.optimize(model, inputs, frontend="fx", memory_format="preserve")
+    assert {name for name, _ in optimized.named_parameters()} == {name for name, _ in model.named_parameters()}
+
+    reference = copy.deepcopy(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=1e-2) for m in (reference, optimized)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        step_inputs = (torch.randn(8, 3, 8, 8, generator=generator),)
+        for trained, optimizer in zip((reference, optimized), optimizers, strict=True):
+            train_step(trained, step_inputs, optimizer)
+    reference.eval()
+    optimized.eval()
+    assert_same_outputs(reference, optimized, inputs, 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_opting_in_in_training_mode_reports_that_only_plain_sgd_stays_exact(mode: str) -> None:
+    torch.manual_seed(0)
+    model = two_convs().train(mode == "training")
+    report = graphopt.optimize(model, (torch.randn(8, 3, 8, 8),), mode=mode, passes=["drop_conv_bias"]).graphopt_report
+    assert len(report["drop_conv_bias"].rewrites) == 2
+    caveat = [note for note in report["drop_conv_bias"].notes if "plain SGD without weight decay" in note]
+    if mode == "training":
+        assert caveat and "Adam" in caveat[0] and "weight decay" in caveat[0]
+    else:
+        assert not caveat

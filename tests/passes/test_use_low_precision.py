@@ -210,7 +210,7 @@ def test_training_matches_torch_autocast(frontend: str) -> None:
     """Explicit casts give autocast's semantics: same forward, same fp32 gradients, on a conv/BN net."""
     model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).train()
     inputs = (torch.randn(4, 3, 32, 32),)
-    optimized = graphopt.optimize(model, inputs, frontend=frontend, precision="bf16", memory_format="preserve", disable=["drop_conv_bias"])
+    optimized = graphopt.optimize(model, inputs, frontend=frontend, precision="bf16", memory_format="preserve")
     names = {n for n, _ in optimized.named_parameters()}
     for args in (inputs, second_inputs(model, inputs)):
         expected, expected_gradients = output_and_gradients(model, args, names, autocast=True)
