@@ -57,6 +57,8 @@ def _unwrap(model: nn.Module, mode: str | None) -> nn.Module:
                 "this module was optimized for inference (BatchNorm folded, dropout removed): it cannot be optimized "
                 "for training. Optimize the original model with mode='training'."
             )
+        if mode is not None:  # a graph that fixed the other mode would go on computing in it
+            model.check_mode_switch(mode == "training")
         # oneDNN kernels with prepacked weights cannot be captured: ATen's ops, which they compute, can
         return to_aten(model.graph_module) if prepacked_modules(model.graph_module) else model.graph_module
     return model

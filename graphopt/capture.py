@@ -3,7 +3,10 @@
 Frontends:
 
 - ``"fx"``: ``torch.fx.symbolic_trace``. Keeps the model's own module hierarchy
-  (``call_module`` nodes, original parameter names) and follows ``.train()/.eval()``.
+  (``call_module`` nodes, original parameter names) and follows ``.train()/.eval()``
+  where the graph calls modules that read their own flag (``nn.Dropout``, ``nn.BatchNorm2d``);
+  where forward() reads ``self.training`` itself, the trace fixes that mode, and the graph
+  records which flags it fixed (``gm.meta["graphopt_fixed_modes"]``, see `_fixed_modes`).
   Fails on Python control flow that depends on tensor shapes or values.
 - ``"export"``: ``torch.export.export(...).module()``, non-strict, with the dimensions
   `graphopt.dynamic` asks for dynamic (``Dim.AUTO``, or the user's own ``dynamic_shapes``).
@@ -21,13 +24,14 @@ blocks and in-place updates of buffers that do not involve its inputs).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -124,10 +128,68 @@ class _SourceLineTracer(fx.Tracer):
         return node
 
 
+@contextlib.contextmanager
+def _recording_mode_reads() -> Iterator[list[nn.Module]]:
+    """Collect the modules whose ``training`` flag is read meanwhile (any module: the flag is an instance attribute,
+    which only ``__getattribute__`` sees). Tracing runs the forward() of every module it inlines, so their reads of
+    ``self.training`` happen here; leaf modules (``nn.Dropout``) do not run and read their own flag at run time."""
+    read: list[nn.Module] = []
+    previous = nn.Module.__dict__.get("__getattribute__")
+    getattribute = nn.Module.__getattribute__
+
+    def recording(module: nn.Module, name: str) -> Any:
+        if name == "training":
+            read.append(module)
+        return getattribute(module, name)
+
+    nn.Module.__getattribute__ = recording  # type: ignore[method-assign]
+    try:
+        yield read
+    finally:
+        if previous is None:
+            del nn.Module.__getattribute__
+        else:
+            nn.Module.__getattribute__ = previous  # type: ignore[method-assign]
+
+
+def _fixed_modes(model: nn.Module, graph: fx.Graph, read: list[nn.Module], concrete: dict[str, Any] | None) -> dict[str, bool]:
+    """The train/eval flags ``graph`` fixed, by module path: those of the modules in ``read`` when tracing with
+    them flipped gives another graph (``F.dropout(x, training=self.training)``, ``out if self.training else ...``).
+
+    A flag that is read without changing the graph (``if not self.training or self.p == 0``) fixes nothing. A
+    graph of an optimized module being captured again keeps the flags its own capture fixed.
+    """
+    fixed: dict[str, bool] = dict(model.meta.get("graphopt_fixed_modes", {})) if isinstance(model, fx.GraphModule) else {}
+    paths = {id(module): path for path, module in model.named_modules()}
+    modules = {paths[id(module)]: module for module in read if id(module) in paths}
+    if not modules:
+        return fixed
+    for module in modules.values():
+        module.training = not module.training
+    try:
+        with verify.isolated(model):
+            flipped: fx.Graph | None = fx.Tracer().trace(model, concrete_args=concrete)
+    except Exception:  # the other mode does not trace: this graph holds only the traced one
+        flipped = None
+    finally:
+        for module in modules.values():
+            module.training = not module.training
+    if flipped is None or str(flipped) != str(graph):
+        fixed.update({path: module.training for path, module in modules.items()})
+    return fixed
+
+
 def _trace_fx(model: nn.Module, args: tuple[Any, ...], request: Request, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
-    tracer = _SourceLineTracer()
+    concrete = _concrete_arguments(model, args)
     with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
-        gm = fx.GraphModule(model, tracer.trace(model, concrete_args=_concrete_arguments(model, args)), model.__class__.__name__)
+        with _recording_mode_reads() as read:
+            graph = _SourceLineTracer().trace(model, concrete_args=concrete)
+        gm = fx.GraphModule(model, graph, model.__class__.__name__)
+    # fx creates the containers of inlined modules afresh, in train mode: give them the model's flags, so that each
+    # module says the mode the graph computes in (OptimizedModule checks the fixed ones before every call)
+    for path, module in gm.named_modules():
+        module.training = model.get_submodule(path).training
+    gm.meta["graphopt_fixed_modes"] = _fixed_modes(model, graph, read, concrete)
     # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check
     state: dict[str, torch.Tensor] = {}
     with verify.isolated(gm, state_after=state):

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,115 @@ def test_bf16_training_preset_computes_autocast_losses_at_each_step() -> None:
         losses.append(loss.item())
     assert losses[-2] < losses[0] and losses[-1] < losses[1], f"the optimized model learns: {losses}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-2, atol=0)
+
+
+class FunctionalDropout(nn.Module):
+    """Dropout by ``F.dropout(..., training=self.training)``: the flag is read by forward(), not by a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc(x), 0.5, training=self.training)
+
+
+class AuxiliaryHead(nn.Module):
+    """torchvision GoogLeNet/Inception's ``(out, aux) if self.training else out``, behind a block that reads its flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = FunctionalDropout()
+        self.head, self.aux = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        hidden = self.block(x)
+        return (self.head(hidden), self.aux(hidden)) if self.training else self.head(hidden)
+
+
+class ModuleDropout(nn.Module):
+    """Reads no flag itself: nn.Dropout and nn.BatchNorm1d read theirs at run time; the stochastic depth reads
+    ``self.training`` only where its rate is 0, which gives the same graph in both modes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.dropout = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)
+        self.rate = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(self.bn(self.fc(x)))
+        if not self.training or self.rate == 0.0:
+            return x
+        return x * torch.rand_like(x).ge(self.rate)
+
+
+def _seeded(module: nn.Module, x: torch.Tensor) -> Any:
+    torch.manual_seed(0)
+    return module(x)
+
+
+def _assert_same(expected: Any, actual: Any) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("switch", ["eval", "train(False)"])
+@pytest.mark.parametrize(("model_class", "readers"), [(FunctionalDropout, "the model itself"), (AuxiliaryHead, "'block', the model itself")])
+def test_a_forward_that_reads_self_training_refuses_eval_and_keeps_training(model_class: type[nn.Module], readers: str, switch: str) -> None:
+    """symbolic_trace fixes forward()'s reads of ``self.training``: switching the whole module to eval is refused
+    (it would keep dropout active, or return the training tuple), saying which modules read it; nothing changed."""
+    model = model_class().train()
+    x = torch.randn(4, 8)
+    fast = graphopt.optimize(model, x, mode="training")
+    assert fast.graphopt_report.frontend == "fx"
+    with pytest.raises(graphopt.ModeSwitchError, match=rf"\(self\.training\) of {readers}, e\.g\. F\.dropout"):
+        fast.eval() if switch == "eval" else fast.train(False)
+    assert all(module.training for module in fast.modules())
+    _assert_same(_seeded(model, x), _seeded(fast, x))
+    with pytest.raises(graphopt.ModeSwitchError, match="cannot switch to eval mode"):
+        graphopt.optimize(fast, x, mode="inference")
+    again = graphopt.optimize(fast, x)  # its graph reads no flag: the flags fixed by the first capture stay fixed
+    with pytest.raises(graphopt.ModeSwitchError, match=readers):
+        again.eval()
+
+
+def test_a_submodule_switched_to_eval_is_refused_at_the_call_and_train_restores_it() -> None:
+    """``fast.block.eval()`` does not go through the optimized module: the next call refuses to run the graph,
+    which would keep the block's dropout active; ``fast.block.train()`` makes the calls train as before."""
+    model = AuxiliaryHead().train()
+    x = torch.randn(4, 8)
+    fast = graphopt.optimize(model, x, mode="training")
+    fast.block.eval()
+    with pytest.raises(graphopt.ModeSwitchError, match="'block' switched to eval mode.*Switch it back"):
+        fast(x)
+    fast.block.train()
+    _assert_same(_seeded(model, x), _seeded(fast, x))
+
+
+def test_an_inference_module_whose_forward_reads_self_training_computes_eval() -> None:
+    """Traced in eval mode, the graph's flags say eval (fx creates the block's container in train mode): calls run."""
+    model = AuxiliaryHead().eval()
+    x, second = torch.randn(4, 8), torch.randn(6, 8)
+    fast = graphopt.optimize(model, x)
+    assert not fast.block.training
+    _assert_same(model(second), fast(second))
+
+
+def test_a_forward_that_reads_no_mode_switches_freely() -> None:
+    """Dropout and BatchNorm as modules follow .eval()/.train() of the whole module or of one submodule."""
+    model = ModuleDropout().train()
+    x, second = torch.randn(4, 8), torch.randn(6, 8)
+    fast = graphopt.optimize(model, x, mode="training")
+    reference = copy.deepcopy(model)
+    _assert_same(_seeded(reference, x), _seeded(fast, x))
+    fast.eval()
+    reference.eval()
+    _assert_same(reference(second), fast(second))
+    fast.train()
+    reference.train()
+    _assert_same(_seeded(reference, second), _seeded(fast, second))
+    fast.dropout.eval()
+    reference.dropout.eval()
+    _assert_same(_seeded(reference, second), _seeded(fast, second))
 
 
 def _free_port() -> int:

@@ -29,6 +29,32 @@ def updates_state(gm: fx.GraphModule) -> bool:
     return any(writes_in_place(gm, node) and any(arg.op == "get_attr" for arg in node.all_input_nodes) for node in gm.graph.nodes)
 
 
+def _training_flag(module: nn.Module, path: str) -> bool | None:
+    """The train/eval flag of ``module``'s submodule at ``path`` (``""``: ``module`` itself); None where there is none."""
+    try:
+        return module.get_submodule(path).training
+    except AttributeError:  # a container fx did not copy, or a module a pass removed: nothing a user can switch
+        return None
+
+
+def _module_names(paths: list[str]) -> str:
+    names = [repr(path) if path else "the model itself" for path in paths]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _fixed_modes_advice(paths: list[str], training: bool) -> str:
+    """Why the train/eval flags at ``paths`` (traced with ``training``) cannot change, and what to do instead."""
+    mode = "train" if training else "eval"
+    return (
+        f"forward() reads the train/eval flag (self.training) of {_module_names(paths)}, e.g. "
+        f"F.dropout(x, training=self.training) or `(out, aux) if self.training else out`, and symbolic_trace fixed its "
+        f"{mode}-mode value in the graph, so this module keeps computing in {mode} mode. For the other mode, load this "
+        "module's weights into the original model (model.load_state_dict(module.original_state_dict())) and run it or "
+        "optimize it with that mode (mode='inference' to evaluate); or make the model use nn.Dropout modules, which "
+        "follow .train()/.eval()."
+    )
+
+
 class OptimizedModule(nn.Module):
     """The module `optimize` returns: the optimized graph, its report, and mode guards.
 
@@ -46,7 +72,10 @@ class OptimizedModule(nn.Module):
       eager graph, for export and inspection).
     - ``.train()`` on an inference module raises `ModeSwitchError` (folded BatchNorms and
       removed dropout would train wrongly); a graph captured by torch.export has its
-      train/eval behaviour fixed, so switching its mode raises too.
+      train/eval behaviour fixed, so switching its mode raises too. So does switching a
+      module whose forward() reads ``self.training``, which symbolic_trace fixes in the
+      graph (``graph_module.meta["graphopt_fixed_modes"]``): ``.train()/.eval()`` of the
+      whole module raises, and a call after ``module.<submodule>.eval()`` does.
     - Checkpoints: ``parameter_map`` says what became of each original key that a pass
       removed or rewrote; ``load_original_state_dict`` loads a checkpoint of the original
       model (re-applying the passes' changes); ``original_state_dict`` gives this
@@ -86,6 +115,7 @@ class OptimizedModule(nn.Module):
         return self.graph_module.code
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_fixed_modes()
         if self.input_signature is not None:
             args = self.input_signature.bind(args, kwargs)
             self.input_signature.check(args)
@@ -104,6 +134,11 @@ class OptimizedModule(nn.Module):
             ) from error
 
     def train(self, mode: bool = True) -> OptimizedModule:
+        self.check_mode_switch(mode)
+        return super().train(mode)
+
+    def check_mode_switch(self, mode: bool) -> None:
+        """Raise `ModeSwitchError` where this graph cannot compute in train mode ``mode`` (False: eval), and why."""
         report = self.graphopt_report
         if mode and report.mode == "inference":
             raise ModeSwitchError(
@@ -117,7 +152,20 @@ class OptimizedModule(nn.Module):
                 "the graph: .train()/.eval() cannot change it. Optimize the original model again for the other mode, "
                 "or use frontend='fx' when the model traces with it."
             )
-        return super().train(mode)
+        fixed = [path for path, training in self.graph_module.meta.get("graphopt_fixed_modes", {}).items() if training != mode]
+        if fixed:
+            raise ModeSwitchError(f"this module cannot switch to {'train' if mode else 'eval'} mode: {_fixed_modes_advice(fixed, not mode)}")
+
+    def _check_fixed_modes(self) -> None:
+        """Refuse a call after a submodule whose train/eval flag the graph fixed was switched (``fast.block.eval()``,
+        which does not go through `train` here): the graph would silently compute in the mode it was traced in."""
+        fixed = self.graph_module.meta.get("graphopt_fixed_modes", {})
+        switched = [path for path, training in fixed.items() if _training_flag(self, path) not in (None, training)]
+        if switched:
+            raise ModeSwitchError(
+                f"{_module_names(switched)} switched to {'eval' if fixed[switched[0]] else 'train'} mode: "
+                f"{_fixed_modes_advice(switched, fixed[switched[0]])} Switch {'it' if len(switched) == 1 else 'them'} back to call this module."
+            )
 
     def fp32_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 values of the weights stored in low precision for inference (empty otherwise), by name."""
