@@ -23,7 +23,7 @@ from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationWarning
-from graphopt.inputs import InputSignature, argument_names
+from graphopt.inputs import InputSignature, argument_names, copied_inputs, unread_arguments
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext
 from graphopt.pipeline import Verifier, run_verified, select_passes
 from graphopt.precision import INT8, PRECISIONS, calibration_batches, check_int8, check_precision, emulated_on_cpu, precision_policy, runs_on
@@ -235,7 +235,8 @@ def optimize(
             }
             return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s, calibration)
         target = resolve_device(device, model, example_inputs)
-        args = check_inputs(model, example_inputs, target if device is not None else None)
+        # every run below (references, capture checks, verification, measurements) is on this copy: never on the caller's tensors
+        args = copied_inputs(check_inputs(model, example_inputs, target if device is not None else None))
         batches = calibration_batches(calibration, lambda batch: check_inputs(model, batch, target if device is not None else None), args) if int8 else ()
         request = dynamic.request(dynamic_shapes, args, argument_names(model, len(args)))
         training = resolved_mode == "training"
@@ -283,6 +284,8 @@ def optimize(
                 accuracy=int8_accuracy,
             )
             report.captured_nodes = snapshot(captured.graph_module.graph)
+            # read before the passes, which may leave an argument unread where any value computes the same (a removed dropout's p)
+            fixed_arguments = unread_arguments(captured.graph_module, args, request.names) if captured.frontend == "fx" else ()
             side_effects = side_effects_message(watch.effects, type(model).__name__)
             if side_effects:
                 warnings.warn(f"graphopt: {side_effects}", SideEffectWarning, stacklevel=3)
@@ -325,7 +328,7 @@ def optimize(
                     runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic=free)
                 else:
                     report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=any(0 in dims for dims in free))
-            signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export")
+            signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export", fixed_arguments=fixed_arguments)
             optimized = OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
         if int8 and passes is None and not int8_modules(optimized):
             return _float_instead_of_int8(model, example_inputs, dict(common, memory_format=memory_format), report)
@@ -410,7 +413,7 @@ def _tuned(
         raise InvalidOptionError(f"tune_budget_s={budget_s!r}: give a number of seconds, e.g. 60")
     low_precisions = [name for name in ("bf16", "fp16") if runs_on(name, model)]
     emulated = {name: reason for name in low_precisions if (reason := emulated_on_cpu(name, model))}
-    args = check_inputs(model, example_inputs)
+    args = copied_inputs(check_inputs(model, example_inputs))  # the candidates are timed on it, not on the caller's tensors
     batches = None if calibration is None else list(calibration)  # iterated once: each int8 build reads the same batches
 
     def build(**options: Any) -> OptimizedModule:

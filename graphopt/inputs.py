@@ -12,19 +12,23 @@ model accepts.
 device, rank and sizes, each size fixed to the example's unless it was verified to vary
 (at a second size). A call outside it raises `InputMismatchError` naming the input,
 what the graph accepts and how to optimize for it, instead of a guard failure deep in
-torch or, worse, a wrong result.
+torch or, worse, a wrong result. A call that leaves out an argument gets forward()'s
+default, as in eager, or `InputMismatchError` where the graph cannot compute with it:
+never the example's value.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
@@ -46,13 +50,11 @@ def positional_arguments(
     kwargs: dict[str, Any],
     length: int | None = None,
     parameters: list[inspect.Parameter] | None = None,
-    defaults: Mapping[str, Any] | None = None,
 ) -> tuple[Any, ...]:
     """A call ``(*args, **kwargs)`` of ``signature`` as positional arguments: named ones in their places, skipped ones at their defaults.
 
     ``length``: how many arguments to return (those of the example); None: up to the last one
     given. ``parameters``: `positional_parameters` of ``signature``, when the caller keeps them.
-    ``defaults``: values for skipped parameters instead of the signature's defaults.
     Raises `TypeError` for a call the signature does not take, or that names a keyword-only
     parameter or one beyond ``length`` (a graph takes positional inputs).
     """
@@ -67,8 +69,7 @@ def positional_arguments(
     beyond = [parameters[index].name for index in given if index >= count]
     if beyond:
         raise TypeError(f"{', '.join(beyond)} was not among the example inputs: optimize with example inputs that include it")
-    defaults = defaults or {}
-    return tuple(bound.arguments.get(parameter.name, defaults.get(parameter.name, parameter.default)) for parameter in parameters[:count])
+    return tuple(bound.arguments.get(parameter.name, parameter.default) for parameter in parameters[:count])
 
 
 @dataclass
@@ -79,15 +80,38 @@ class OtherInputs:
     description: str
 
 
+def describe_leaf(leaf: Any) -> str:
+    """A tensor as ``Tensor[8, 3, 224, 224] float32 cpu``, anything else as its type's name."""
+    if isinstance(leaf, torch.Tensor):
+        return f"Tensor{list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} {leaf.device}"
+    return type(leaf).__name__
+
+
 def describe_inputs(args: tuple[Any, ...]) -> str:
     """A short summary such as ``(Tensor[8, 3, 224, 224] float32 cpu, int)``."""
+    return "(" + ", ".join(describe_leaf(leaf) for leaf in pytree.tree_leaves(args)) + ")"
 
-    def one(leaf: Any) -> str:
-        if isinstance(leaf, torch.Tensor):
-            return f"Tensor{list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} {leaf.device}"
-        return type(leaf).__name__
 
-    return "(" + ", ".join(one(leaf) for leaf in pytree.tree_leaves(args)) + ")"
+def holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a container holding one."""
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+
+
+def copied_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with every tensor copied (other values shared): a run on the copy cannot write the caller's tensors.
+
+    `copy.deepcopy` with one memo keeps strides and the aliasing between inputs (views of
+    one tensor stay views of one copy); it refuses tensors computed with autograd, which are
+    cloned.
+    """
+    memo: dict[int, Any] = {}
+
+    def copied(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        return copy.deepcopy(leaf, memo) if leaf.is_leaf else leaf.detach().clone().requires_grad_(leaf.requires_grad)
+
+    return pytree.tree_map(copied, args)
 
 
 def _other_layout(shape: tuple[int, ...], example: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -194,6 +218,17 @@ class TensorSpec:
         return None
 
 
+def unread_arguments(gm: fx.GraphModule, args: tuple[Any, ...], names: Sequence[str]) -> frozenset[str]:
+    """The arguments without tensors that ``gm``, traced by symbolic_trace, takes but never reads.
+
+    symbolic_trace went past them with the example's value (``if normalize is True:`` on a
+    traced value takes one branch for good), so the graph computes for that value only.
+    fx makes one placeholder per parameter of forward, in order.
+    """
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    return frozenset(name for name, value, node in zip(names, args, placeholders) if not holds_tensor(value) and not node.users)
+
+
 def argument_names(model: nn.Module, count: int) -> list[str]:
     """forward()'s names for its first ``count`` positional arguments (``input<i>`` where it has none)."""
     try:
@@ -206,9 +241,11 @@ def argument_names(model: nn.Module, count: int) -> list[str]:
 class InputSignature:
     """The calls an optimized graph accepts: the example's structure, with verified dimensions free to vary."""
 
-    def __init__(self, model: nn.Module, args: tuple[Any, ...], free: Dims, fixed_values: bool) -> None:
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], free: Dims, fixed_values: bool, fixed_arguments: Collection[str] = ()) -> None:
         """``free``: per leaf of ``args``, the dimensions that may take other sizes (`graphopt.dynamic`);
-        ``fixed_values``: non-tensor arguments must equal the example's (torch.export specialises them)."""
+        ``fixed_values``: non-tensor arguments must equal the example's (torch.export specialises them);
+        ``fixed_arguments``: the names of arguments without tensors that must equal the example's all the same
+        (the graph does not read them: `unread_arguments`)."""
         try:
             self.signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
@@ -218,8 +255,9 @@ class InputSignature:
         leaves, self.spec = pytree.tree_flatten(args)
         self.free = any(free)
         self.fixed_values = fixed_values
-        # a call that leaves out a non-tensor input the graph fixed (use_cache=False) gets the example's value
-        self.settings = {name: value for name, value in zip(self.names, args) if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))}
+        self.fixed_arguments = frozenset(fixed_arguments)
+        # the example's arguments without tensors: a call that leaves one out gets forward()'s default, which `bind` checks against them
+        self.settings = {name: value for name, value in zip(self.names, args) if not holds_tensor(value)}
         self.leaves: list[TensorSpec | tuple[str, Any]] = []
         for name, leaf, dims in zip(leaf_names(args, self.names), leaves, free, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -241,7 +279,10 @@ class InputSignature:
             else {"name": leaf[0], "value": leaf[1]}
             for leaf in self.leaves
         ]
-        data = {"parameters": parameters, "names": self.names, "spec": pytree.treespec_dumps(self.spec), "leaves": leaves, "fixed_values": self.fixed_values, "settings": self.settings}
+        data = {
+            "parameters": parameters, "names": self.names, "spec": pytree.treespec_dumps(self.spec), "leaves": leaves, "fixed_values": self.fixed_values,
+            "fixed_arguments": sorted(self.fixed_arguments), "settings": self.settings,
+        }  # fmt: skip
         json.dumps(data)  # raises TypeError now rather than in the caller's file writing
         return data
 
@@ -258,6 +299,7 @@ class InputSignature:
         signature.names = list(data["names"])
         signature.spec = pytree.treespec_loads(data["spec"])
         signature.fixed_values = data["fixed_values"] if fixed_values is None else fixed_values
+        signature.fixed_arguments = frozenset(data.get("fixed_arguments", ()))  # absent from files of graphopt before it
         signature.settings = dict(data["settings"])
         signature.leaves = [
             TensorSpec(leaf["name"], getattr(torch, leaf["dtype"]), torch.device(leaf["device"]), tuple(leaf["sizes"]), tuple(leaf["example"]))
@@ -293,20 +335,68 @@ class InputSignature:
             if isinstance(leaf, TensorSpec):
                 parts.append(f"{leaf.name}: {leaf.accepted()}")
             else:
-                parts.append(f"{leaf[0]}={leaf[1]!r}" if self.fixed_values else f"{leaf[0]}: {type(leaf[1]).__name__}")
+                parts.append(f"{leaf[0]}={leaf[1]!r}" if self._fixed(leaf[0]) else f"{leaf[0]}: {type(leaf[1]).__name__}")
         return "(" + ", ".join(parts) + ")"
 
+    @staticmethod
+    def _argument(name: str) -> str:
+        """The argument a leaf's name belongs to (`dynamic.leaf_names`: the argument's name, then the path: ``sizes[0]``)."""
+        return name.partition("[")[0].partition(".")[0]
+
+    def _fixed(self, name: str) -> bool:
+        """Whether the input without tensors ``name`` (an argument, or a leaf of one) must equal the example's."""
+        return self.fixed_values or self._argument(name) in self.fixed_arguments
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The positional arguments of a call that may name some of them."""
-        if not kwargs and (len(args) >= len(self.names) or not self.fixed_values or self.signature is None):
+        """The positional arguments of a call that may name some of them and leave some out.
+
+        A parameter left out takes forward()'s default, as in eager; where the graph cannot
+        compute with it, `InputMismatchError` says so (`_check_default`).
+        """
+        if not kwargs and len(args) >= len(self.names):
             return args
         if self.signature is None:
-            raise InputMismatchError("this optimized module takes positional arguments only: call it like the example inputs")
+            if kwargs:
+                raise InputMismatchError("this optimized module takes positional arguments only: call it like the example inputs")
+            return args  # `check` refuses the call, which lacks arguments
         try:
-            defaults = self.settings if self.fixed_values else None
-            return positional_arguments(self.signature, args, kwargs, length=len(self.names), parameters=self.parameters, defaults=defaults)
+            bound = positional_arguments(self.signature, args, kwargs, length=len(self.names), parameters=self.parameters)
         except TypeError as error:
             raise InputMismatchError(f"the call does not fit forward{self.signature}: {error}") from error
+        for parameter in self.parameters[len(args) : len(self.names)]:
+            if parameter.name not in kwargs:
+                self._check_default(parameter.name, parameter.default)
+        return bound
+
+    def _check_default(self, name: str, default: Any) -> None:
+        """Refuse a call that leaves out ``name`` when the graph cannot compute with forward()'s ``default`` for it.
+
+        Never the example's value instead: that would silently compute something else than
+        eager. The graph can where the argument is an input it reads of the same type; not
+        where it fixed the example's value, nor where the example gave a tensor.
+        """
+        if name in self.settings:
+            example = self.settings[name]
+            if type(default) is type(example) and (default == example or not self._fixed(name)):
+                return
+            if type(default) is not type(example):
+                why = f"the graph takes a {type(example).__name__} there"
+            elif self.fixed_values:
+                why = "torch.export fixed that value in the graph"
+            else:
+                why = "the graph does not read it: symbolic_trace fixed that value in the graph"
+            given = f"the example's {name}={example!r}"
+            fix = f"Pass {name}={example!r} for what the graph computes, or optimize with {name}={default!r} (or {name} left out) to run with the default."
+        elif holds_tensor(default):
+            return  # `check` compares it with what the graph accepts
+        else:
+            accepted = [leaf.accepted() for leaf in self.leaves if isinstance(leaf, TensorSpec) and self._argument(leaf.name) == name]
+            given, why = f"a tensor for {name} ({', '.join(accepted)})", "the graph computes with it"
+            fix = f"Pass {name}, or optimize with example inputs that leave {name} out to run with the default."
+        raise InputMismatchError(
+            f"{name} was left out of the call, so forward()'s default {name}={default!r} applies, but this optimized module was "
+            f"captured and verified with {given} ({why}): it would compute something else than forward() does. {fix}"
+        )
 
     def check(self, args: tuple[Any, ...]) -> None:
         """Raise `InputMismatchError` unless ``args`` is a call the graph accepts (run on every call: kept cheap)."""
@@ -321,9 +411,9 @@ class InputSignature:
                     self._refuse(expected.name, expected.mismatch(value) or "", expected.other_sizes(value))
             else:
                 name, example = expected
-                same = type(value) is type(example) and (not self.fixed_values or value == example)
+                same = type(value) is type(example) and (not self._fixed(name) or value == example)
                 if not same:
-                    self._refuse(name, f"is {value!r}")
+                    self._refuse(name, f"is {describe_leaf(value) if isinstance(value, torch.Tensor) else repr(value)}")
 
     def _refuse(self, what: str, problem: str, dims: list[int] | None = None) -> None:
         sizes = "* sizes vary (each verified at a second size), the others are the example's" if self.free else "every size is the example's"

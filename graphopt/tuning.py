@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from graphopt import progress
-from graphopt.errors import error_summary
+from graphopt.errors import GraphoptError, error_summary
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import TuneCandidate, TuneReport
 from graphopt.timing import median_latencies
@@ -200,6 +200,7 @@ def tune(
         return module
     started = time.perf_counter()
     modules: dict[str, Any] = {}
+    failures: list[Exception] = []
     per_call = 0.0
     for candidate in progress.steps(todo, "tune: building", lambda candidate: candidate.name):
         row = TuneCandidate(candidate.name, candidate.options)
@@ -215,6 +216,7 @@ def tune(
             per_call += time.perf_counter() - first
         except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
             row.status, row.reason = "failed", error_summary(error)
+            failures.append(error)
             continue
         row.build_seconds = time.perf_counter() - building
         row.max_error = module.graphopt_report.max_error or 0.0
@@ -222,6 +224,11 @@ def tune(
             row.status, row.reason = "over budget", f"error {row.max_error:.1e} > accuracy {accuracy:.0e}"
             continue
         modules[candidate.name] = module
+    if not modules:  # nothing to time: the first candidate's own error says why (the graph with no passes failed too)
+        first = next((error for error in failures if isinstance(error, GraphoptError)), failures[0] if failures else None)
+        if isinstance(first, GraphoptError):
+            raise first
+        raise GraphoptError(f"tune=True built no candidate ({'; '.join(f'{row.name}: {row.reason}' for row in rows)}): optimize without tune=True to see the error") from first
     remaining = max(budget_s - (time.perf_counter() - started), 0.0)
     runs = {name: (lambda module=module: module(*args)) for name, module in modules.items()}
     latencies = measure_latencies(runs, rounds=_rounds(per_call, remaining), warmup=1)

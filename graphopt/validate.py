@@ -11,11 +11,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError, error_summary
-from graphopt.dynamic import Dims, batch_size
-from graphopt.inputs import OtherInputs, describe_inputs, other_inputs, positional_arguments, positional_parameters
+from graphopt.dynamic import Dims, batch_size, leaf_names
+from graphopt.inputs import OtherInputs, argument_names, copied_inputs, describe_inputs, other_inputs, positional_arguments, positional_parameters
 
 
 def _with_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -95,13 +96,16 @@ def check_inputs(model: nn.Module, example_inputs: Any, device: torch.device | N
 
 
 def reference_run(model: nn.Module, args: tuple[Any, ...], gradients: bool = False) -> verify.Reference:
-    """Eager outputs and state updates (with ``gradients``, also gradients) of ``model`` on ``args``.
+    """Eager outputs and state updates (with ``gradients``, also gradients) of ``model`` on a copy of ``args``.
 
     Raises `InvalidInputsError` when the model rejects the inputs, or when its outputs hold
-    NaN (or no finite value at all): nothing could then be verified against them.
+    NaN (or no finite value at all): nothing could then be verified against them;
+    `InvalidModelError` when forward writes to an input in place (`_check_input_writes`).
     """
+    copies = _tracked_copy(args)
+    versions = _versions(copies)
     try:
-        reference = verify.run_reference(model, args, gradients=gradients)
+        reference = verify.run_reference(model, copies, gradients=gradients)
     except Exception as error:
         dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
         input_dtypes = {leaf.dtype for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
@@ -119,6 +123,7 @@ def reference_run(model: nn.Module, args: tuple[Any, ...], gradients: bool = Fal
             f"{describe_inputs(args)}: {message}.{hint} Pass example inputs that model(*example_inputs) accepts "
             "(check the number of arguments, shapes, dtypes and device)."
         ) from error
+    _check_input_writes(model, args, versions, copies)
     _check_cache_outputs(model, reference.outputs)
     if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(reference.outputs)):
         raise InvalidModelError(
@@ -134,6 +139,68 @@ def reference_run(model: nn.Module, args: tuple[Any, ...], gradients: bool = Fal
             "Pass example inputs for which the model's outputs are finite numbers."
         )
     return reference
+
+
+def _tracked_copy(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`copied_inputs`, made outside inference mode (``optimize`` may be called in it): tensors with version counters."""
+    with torch.inference_mode(False):
+        return copied_inputs(args)
+
+
+def _versions(args: tuple[Any, ...]) -> list[int]:
+    """The version counter of each tensor in ``args``: every in-place write to a tensor (or a view of it) bumps it."""
+    return [leaf._version for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)]
+
+
+class _InputWrites(TorchDispatchMode):
+    """Records the ops that write to the memory of the watched tensors, with the tensor's name."""
+
+    def __init__(self, watched: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        pointers = {name: tensor.untyped_storage().data_ptr() for name, tensor in watched.items()}
+        self.storages = {pointer: name for name, pointer in pointers.items() if pointer}  # 0: no memory, nothing to write
+        self.writes: list[tuple[str, str]] = []  # (op, input name)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        for index, argument in enumerate(func._schema.arguments):
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                name = self.storages.get(value.untyped_storage().data_ptr())
+                if name is not None:
+                    self.writes.append((str(func), name))
+        return func(*args, **kwargs)
+
+
+def _check_input_writes(model: nn.Module, args: tuple[Any, ...], versions: list[int], copies: tuple[Any, ...]) -> None:
+    """Refuse a forward that writes to its inputs in place (``x.mul_(2)``, ``x += 1``, ``out=x``), naming the op and the input.
+
+    graphopt runs forward and the graph many times on copies of the inputs and verifies
+    outputs and stored state, not what a run leaves in its inputs: an optimized graph could
+    not be shown to write them as forward does. ``versions``: those of ``copies`` before the
+    run that produced the reference; only when one changed is forward run again, on a fresh
+    copy, to find the op.
+    """
+    names = argument_names(model, len(args))
+    tensor_names = [name for name, leaf in zip(leaf_names(args, names), pytree.tree_leaves(args)) if isinstance(leaf, torch.Tensor)]
+    written = [name for name, before, after in zip(tensor_names, versions, _versions(copies), strict=True) if after != before]
+    if not written:
+        return
+    fresh = _tracked_copy(args)
+    watched = dict(zip(tensor_names, [leaf for leaf in pytree.tree_leaves(fresh) if isinstance(leaf, torch.Tensor)], strict=True))
+    finder = _InputWrites(watched)
+    try:
+        with finder:
+            verify.run_isolated(model, fresh)
+    except Exception:  # noqa: BLE001 - the op is a detail of the message; the write is established
+        pass
+    op, name = finder.writes[0] if finder.writes else ("an in-place op", written[0])
+    raise InvalidModelError(
+        f"{type(model).__name__}.forward writes to its input {name} in place ({op}). graphopt checks the optimized graph "
+        f"against forward on copies of your inputs, which it leaves untouched, and cannot verify writes to inputs: make "
+        f"forward leave {name} as it is, e.g. y = {name} * 2 instead of {name}.mul_(2), {name} = {name} + 1 instead of "
+        f"{name} += 1, or {name} = {name}.clone() before writing to it."
+    )
 
 
 def _is_cache(parameter: inspect.Parameter) -> bool:

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import graphopt
 from tests.conftest import FRONTENDS
@@ -54,8 +55,12 @@ def test_a_dict_of_keyword_inputs_and_calls_by_name_or_position(frontend: str) -
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_calls_that_leave_out_or_add_an_input_say_what_to_do(frontend: str) -> None:
     fast = graphopt.optimize(Encoder().eval(), batch(4), frontend=frontend)
+    ids = batch(4)["input_ids"]
     with pytest.raises(graphopt.InputMismatchError, match="attention_mask is a NoneType, not a tensor"):
-        fast(input_ids=batch(4)["input_ids"])
+        fast(ids, None)
+    for left_out in (lambda: fast(input_ids=ids), lambda: fast(ids)):  # forward's default None, where the graph takes a tensor
+        with pytest.raises(graphopt.InputMismatchError, match=r"attention_mask was left out of the call, so forward\(\)'s default attention_mask=None applies.*Pass attention_mask"):
+            left_out()
     with pytest.raises(graphopt.InputMismatchError, match="token_type_ids was not among the example inputs: optimize with example inputs that include it"):
         fast(**batch(4), token_type_ids=torch.zeros(4, 6, dtype=torch.long))
 
@@ -70,8 +75,101 @@ def test_an_optional_input_skipped_before_a_named_one_stays_none(frontend: str) 
     other_ids, other_types = batch(5, seed=2)["input_ids"], torch.randint(0, 2, (5, 6))
     torch.testing.assert_close(fast(other_ids, token_type_ids=other_types), model(other_ids, token_type_ids=other_types))
     torch.testing.assert_close(fast(other_ids, None, other_types), model(other_ids, None, other_types))
-    with pytest.raises(graphopt.InputMismatchError, match="attention_mask"):
+    with pytest.raises(graphopt.InputMismatchError, match=r"attention_mask is Tensor\[5, 6\] float32 cpu, but this optimized module accepts"):
         fast(other_ids, torch.ones(5, 6), other_types)
+
+
+class Normalized(nn.Module):
+    """The issue's ``forward(x, normalize=True)``; ``is True`` lets symbolic_trace go past the flag, fixing the example's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, normalize: bool = True):
+        y = self.linear(x)
+        if normalize is True:
+            y = y / y.norm(dim=-1, keepdim=True)
+        return y
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_left_out_flag_the_graph_fixed_is_refused_not_taken_from_the_example(frontend: str) -> None:
+    model, x = Normalized().eval(), torch.randn(4, 8)
+    fast = graphopt.optimize(model, (x,), example_kwargs={"normalize": False}, frontend=frontend)
+    assert fast.graphopt_report.frontend == frontend
+    torch.testing.assert_close(fast(x, normalize=False), model(x, normalize=False))
+    expected = r"normalize was left out of the call, so forward\(\)'s default normalize=True applies, but .* the example's normalize=False .* Pass normalize=False"
+    with pytest.raises(graphopt.InputMismatchError, match=expected):
+        fast(x)
+    with pytest.raises(graphopt.InputMismatchError, match=expected):
+        fast(x=x)
+    with pytest.raises(graphopt.InputMismatchError, match="normalize is True, but this optimized module accepts"):
+        fast(x, True)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, scale: float = 2.0):
+        return self.linear(x) * scale
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_left_out_number_runs_with_forwards_default_where_the_graph_reads_it(frontend: str) -> None:
+    model, x = Scaled().eval(), torch.randn(4, 8)
+    fast = graphopt.optimize(model, (x,), example_kwargs={"scale": 3.0}, frontend=frontend)
+    given = 5.0 if frontend == "fx" else 3.0  # torch.export fixes the example's value
+    torch.testing.assert_close(fast(x, given), model(x, given))
+    if frontend == "fx":  # scale is an input of the traced graph
+        torch.testing.assert_close(fast(x), model(x))
+        torch.testing.assert_close(fast(x=x), model(x))
+    else:  # torch.export fixed scale=3.0
+        with pytest.raises(graphopt.InputMismatchError, match=r"scale was left out .* default scale=2.0 .* scale=3.0 \(torch.export fixed that value"):
+            fast(x)
+
+
+class DropsOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, p: float = 0.5):
+        return F.dropout(self.linear(x), p=p, training=self.training)
+
+
+def test_an_argument_the_captured_graph_reads_is_not_fixed_when_a_pass_removes_its_use() -> None:
+    """fx keeps p as an input of the captured graph; remove_dropout then leaves it unread, and any p computes the same."""
+    model, x = DropsOut().eval(), torch.randn(4, 8)
+    fast = graphopt.optimize(model, (x, 0.5), frontend="fx")
+    assert fast.graphopt_report["remove_dropout"].rewrites
+    for p in (0.25, 0.5):
+        torch.testing.assert_close(fast(x, p), model(x, p))
+    torch.testing.assert_close(fast(x), model(x))
+
+
+class Options(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, scale: float = 1.0, reduce: str = "total", clamp: bool = False):
+        y = self.linear(x) * scale
+        y = y.clamp(min=0) if clamp else y
+        return y.sum(-1) if reduce == "total" else y.mean(-1)
+
+
+def test_numbers_strings_and_flags_torch_export_fixed_are_refused_at_other_values_also_after_load(tmp_path) -> None:
+    model, x = Options().eval(), torch.randn(4, 8)
+    fast = graphopt.optimize(model, (x, 0.5, "average", True), frontend="export")
+    loaded = graphopt.load(graphopt.save(fast, tmp_path / "options.pt2"))
+    for module in (fast, loaded):
+        torch.testing.assert_close(module(x, 0.5, "average", True), model(x, 0.5, "average", True))
+        for name, other in (("scale", 2.0), ("reduce", "total"), ("clamp", False)):
+            with pytest.raises(graphopt.InputMismatchError, match=f"{name} is {other!r}, but this optimized module accepts .*{name}="):
+                module(x, **{"scale": 0.5, "reduce": "average", "clamp": True, name: other})
 
 
 def test_misspelt_and_keyword_only_inputs_are_refused_with_the_fix() -> None:
