@@ -225,10 +225,13 @@ class GraphDiff:
     def _repr_html_(self) -> str:
         return self.html()
 
-    def html(self, fold: str = "auto", expand: Iterable[str] = ()) -> str:
-        """The HTML a notebook shows: the drawing (``fold``/``expand`` as in `draw`), op counts, rows side by side."""
+    def html(self, fold: str = "auto", expand: Iterable[str] = (), scroll: bool = True) -> str:
+        """The HTML a notebook shows: the drawing (``fold``/``expand`` as in `draw`), op counts, rows side by side.
+
+        ``scroll``: the drawings in scroll boxes (a notebook), else at their natural size (a file, see `to_html`)."""
         esc = html.escape
         removed, added, changed = ({n.name for n in nodes} for nodes in (self.removed, self.added, self.changed))
+        changed_before = {self.pairs[name] for name in changed}  # the same nodes' names before
         counts = "".join(
             f'<tr class="{"d" if b != a else ""}"><td>{esc(op)}</td><td>{b}</td><td>{a}</td></tr>' for op, b, a in self.op_counts()
         )
@@ -241,10 +244,12 @@ class GraphDiff:
             return f"<td>{esc(node.where)}</td><td>{esc(detail)}</td>"
 
         def status(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
-            """A surviving node the graph moved sits on two rows, unmarked."""
+            """A surviving node the graph moved sits on two rows, unmarked unless it also changed: then both are."""
             old, new = pair
+            if (new is not None and new.name in changed) or (old is not None and old.name in changed_before):
+                return "changed"
             if old is not None and new is not None:
-                return "changed" if new.name in changed else ""
+                return ""
             return "removed" if old is not None and old.name in removed else "added" if new is not None and new.name in added else ""
 
         def group(pair: tuple[NodeInfo | None, NodeInfo | None]) -> str:
@@ -269,13 +274,13 @@ class GraphDiff:
         drawing = self.draw(fold, expand)
         every = ""
         if drawing.folded:
-            every = f"<details><summary>every node ({len(self.after)} after, {len(removed)} removed)</summary>{self.draw(fold='none')._repr_html_()}</details>"
+            every = f"<details><summary>every node ({len(self.after)} after, {len(removed)} removed)</summary>{self.draw(fold='none').html(scroll)}</details>"
         return (
             f'<div class="graphopt-diff"><style>{_CSS}</style>'
             f"<h3>{esc(self.title)}: {len(self.before)} &rarr; {len(self.after)} nodes "
             f'(<span class="removed">-{len(removed)}</span> <span class="added">+{len(added)}</span> '
             f'<span class="changed">~{len(changed)}</span>)</h3>'
-            f"{drawing._repr_html_()}{every}"
+            f"{drawing.html(scroll)}{every}"
             f'<h4>op counts</h4><table class="counts"><tr><th>op</th><th>before</th><th>after</th></tr>{counts}</table>'
             f"<h4>side by side</h4>{''.join(blocks)}"
             + (f"<h4>left alone</h4><ul>{skips}</ul>" if skips else "")
@@ -283,9 +288,11 @@ class GraphDiff:
         )
 
     def to_html(self, path: str | os.PathLike[str], fold: str = "auto", expand: Iterable[str] = ()) -> Path:
-        """Write `html` as one self-contained file (inline CSS and SVG, no scripts, no network) and return its path."""
+        """Write `html` as one self-contained file (inline CSS and SVG, no scripts, no network) and return its path.
+
+        The drawings keep their natural size there (the page scrolls): nothing is cut at the window's width."""
         destination = Path(path)
-        destination.write_text(html_document(self.html(fold, expand), self.title), encoding="utf-8")
+        destination.write_text(html_document(self.html(fold, expand, scroll=False), self.title), encoding="utf-8")
         return destination
 
     def to_svg(self, fold: str = "auto", expand: Iterable[str] = ()) -> str:

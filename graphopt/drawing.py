@@ -106,7 +106,13 @@ class Drawing:
         return f"<Drawing: {self.boxes} boxes, {len(self.folded)} modules folded>"
 
     def _repr_html_(self) -> str:
-        return f'<div style="max-height:720px;overflow:auto">{self.svg}</div>'
+        return self.html()
+
+    def html(self, scroll: bool = True) -> str:
+        """The drawing for a page: in a scroll box (a notebook cell keeps its height), or with ``scroll=False``
+        at its natural size, the page scrolling instead (a file: printing or a full-page screenshot of a scroll
+        box would cut the drawing at the window's width)."""
+        return f'<div style="max-height:720px;overflow:auto">{self.svg}</div>' if scroll else f"<div>{self.svg}</div>"
 
     def save(self, path: str | Path) -> Path:
         destination = Path(path)

@@ -8,9 +8,10 @@ BatchNorm not folded?" from the skip reasons the passes recorded.
 
 from __future__ import annotations
 
+import difflib
 import html
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.checkpoint import StateChange, state_change_from_dict, state_change_to_dict
+from graphopt.errors import InvalidOptionError
 
 
 def describe(node: fx.Node) -> str:
@@ -37,6 +39,20 @@ def target_name(target: Any) -> str:
     if isinstance(target, (str, torch._ops.OpOverload)):
         return str(target)
     return getattr(target, "__name__", None) or str(target)
+
+
+class Reasons(list):
+    """What `Report.why` found: a list of lines (old code indexes and compares it as one)
+    that prints one reason a line, or says that no pass rewrote or skipped the name."""
+
+    def __init__(self, where: str, lines: Iterable[str] = ()) -> None:
+        super().__init__(lines)
+        self.where = where
+
+    def __str__(self) -> str:
+        return "\n".join(self) if self else f"no pass rewrote or skipped {self.where!r}"
+
+    __repr__ = __str__  # a notebook cell shows the lines, not a bracketed list
 
 
 @dataclass
@@ -205,13 +221,38 @@ class Report:
         errors = [p.max_error for p in self.passes if p.max_error is not None]
         return max(errors) if errors else None
 
-    def why(self, where: str) -> list[str]:
-        """Every recorded rewrite or skip that mentions ``where`` (a module path or node name)."""
-        found = []
+    def why(self, where: str) -> Reasons:
+        """Every recorded rewrite or skip that mentions ``where`` (a module path or node name).
+
+        Raises `InvalidOptionError`, with the closest names, when ``where`` is no part of any
+        name the report knows (a misspelt layer would otherwise read as "nothing happened").
+        """
+        found = Reasons(where)
         for p in self.passes:
             found += [f"{p.name}: rewrote {r.where}: {r.detail}" for r in p.rewrites if where in r.where or where in r.detail]
             found += [f"{p.name}: skipped {s.where}: {s.reason}" for s in p.skips if where in s.where]
+        if not found:
+            known = self._known_names()  # empty for a report read back from JSON: nothing to check against
+            if known and not any(where in name for name in known):
+                close = difflib.get_close_matches(where, sorted(known), n=3, cutoff=0.6)
+                hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+                raise InvalidOptionError(
+                    f"report.why({where!r}): no node or module of the graph is named {where!r}; "
+                    f"{hint}names are module paths (e.g. 'layer1.0.bn1') or node names, as in report.diffs and graphopt.diff(model)"
+                )
         return found
+
+    def _known_names(self) -> set[str]:
+        """Every module path and node name the captured graph and the passes' records mention."""
+        names = set()
+        for node in self.captured_nodes:
+            names.update((node.name, node.where, *node.where.split(":")))
+        for p in self.passes:
+            names.update(r.where for r in p.rewrites)
+            names.update(s.where for s in p.skips)
+            names.update(c.where for c in (*p.created, *p.erased))
+            names.update(c.name for c in (*p.created, *p.erased))
+        return names
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data (without the graph diffs); `from_dict` rebuilds it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -176,6 +177,34 @@ def test_a_node_the_graph_moved_sits_on_two_rows_unmarked() -> None:
     assert [(old and old.name, new and new.name) for old, new in diff.rows()] == [("x", "x"), (None, "b"), ("a", "a"), ("b", None), ("out", "out")]
     rows = diff._repr_html_().split("<h4>side by side</h4>")[1]
     assert '<tr class="removed">' not in rows and '<tr class="added">' not in rows and rows.count('<tr class="">') == 5
+
+
+def test_a_node_the_graph_moved_and_changed_is_marked_changed_on_both_rows() -> None:
+    x = _node("x", "x", "x", op="placeholder")
+    before = [x, _node("a", "ReLU", "a", ("x",)), _node("b", "GELU", "b", ("x",)), _node("out", "output", "out", ("a", "b"), "output")]
+    after = [x, _node("b", "GELU", "b", ("x",)), before[1], before[3]]
+    diff = GraphDiff("moved", before, after, {"b": "made exact"})  # b moved above a, and a pass rewrote it
+    assert [(old and old.name, new and new.name) for old, new in diff.rows()] == [("x", "x"), (None, "b"), ("a", "a"), ("b", None), ("out", "out")]
+    rows = diff._repr_html_().split("<h4>side by side</h4>")[1]
+    marks = re.findall(r'<tr class="(\w*)">', rows)
+    assert marks == ["", "changed", "", "changed", ""]
+
+
+def test_the_html_file_shows_a_wide_drawing_whole(tmp_path: Path) -> None:
+    """A notebook keeps the drawing in a scroll box; the file lets the page scroll, so nothing is cut at the window's width."""
+    from tests.test_browser_screenshot import page_or_skip
+
+    x = _node("x", "x", "x", op="placeholder")
+    branches = [_node(f"relu_{i}", "ReLU", f"branch{i}.act", ("x",)) for i in range(16)]
+    before = [x, *branches, _node("out", "output", "out", tuple(b.name for b in branches), "output")]
+    diff = GraphDiff("wide", before, before[:1] + before[2:])  # one branch removed: 15 boxes side by side
+    width = float(ElementTree.fromstring(diff.draw().svg).get("width"))
+    path = diff.to_html(tmp_path / "wide.html")
+    assert 'max-height:720px;overflow:auto' in diff._repr_html_()
+    with contextlib.ExitStack() as stack:
+        page = page_or_skip(stack)  # 1400 px wide
+        page.goto(path.resolve().as_uri())
+        assert width > 1400 and page.evaluate("document.documentElement.scrollWidth") >= width
 
 
 def test_plain_text_forms_are_short() -> None:

@@ -3,7 +3,9 @@
 `graphopt.export_onnx` (`graphopt.export`) chooses what to export (the model optimized for
 inference, BatchNorm folded, dropout removed, the layout kept since ONNX has no memory
 format); `write_checked` exports it with the dimensions the optimized module takes other
-sizes of dynamic (`graphopt.dynamic`: by default the batch and the sequence lengths), then:
+sizes of dynamic (`graphopt.dynamic`: by default the batch and the sequence lengths), named
+``batch`` and ``sequence`` in the file, its outputs named after the model's output structure
+(`dimension_names`, `output_names`), then:
 
 1. ``onnx.checker.check_model(path, full_check=True)``;
 2. runs onnxruntime on the example inputs and on a second input with another size of
@@ -16,7 +18,8 @@ place only when every check passed: a failure leaves nothing half-written, and a
 existing file is replaced only with ``overwrite=True``. Models over 2 GB are saved with
 external data (``<name>.data`` beside the ``.onnx`` file). precision="fp16" exports fp16
 weights between fp32 inputs and outputs (the casts are in the graph); bf16 has no
-onnxruntime CPU kernels and is refused with that reason.
+onnxruntime CPU kernels and is refused with that reason. onnx and onnxruntime are imported
+where they are used, so that ``import graphopt`` does not load them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import collections
 import contextlib
 import io
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -33,13 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import onnx
-import onnxruntime
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from graphopt.dynamic import Dims, auto_spec, describe
+from graphopt.dynamic import Dims, auto_spec, batch_size, describe
 from graphopt.errors import ExportError, VerificationError, error_summary
 from graphopt.inputs import other_inputs
 from graphopt.report import Report
@@ -81,26 +83,109 @@ class ExportReport:
         return "\n".join([*lines, *self.notes])
 
 
+def dimension_names(args: tuple[Any, ...], dynamic: Dims) -> list[dict[int, str]]:
+    """Per leaf of ``args``, a name for each dynamic dimension: ``batch`` for dim 0 at the example's batch size,
+    ``sequence`` for the other dims (``sequence_2``, ... for further sizes). Dimensions of one size share a name,
+    as they share a second size in verification (`graphopt.dynamic.second_sizes`): BERT's ids and mask get one
+    ``batch`` and one ``sequence``."""
+    batch = batch_size(args)
+    by_size: dict[int, str] = {}
+    names = []
+    for leaf, dims in zip(pytree.tree_leaves(args), dynamic, strict=True):
+        mine = {}
+        for dim in sorted(dims):
+            size = int(leaf.shape[dim])
+            if dim == 0 and size == batch:
+                mine[dim] = "batch"
+            else:
+                sequences = sum(name.startswith("sequence") for name in by_size.values())
+                mine[dim] = by_size.setdefault(size, "sequence" if sequences == 0 else f"sequence_{sequences + 1}")
+        names.append(mine)
+    return names
+
+
+def output_names(outputs: Any) -> list[str]:
+    """A name per tensor of ``outputs`` after the model's output structure: a ModelOutput's or dict's field names
+    (``last_hidden_state``), ``output_0``, ``output_1``, ... for a tuple, ``output`` for a single tensor."""
+    if isinstance(outputs, torch.Tensor):
+        return ["output"]
+    leaves, _ = pytree.tree_flatten_with_path(outputs)
+    names = []
+    for path, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        parts = [str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path]
+        top_is_sequence = isinstance(path[0], pytree.SequenceKey) if path else False
+        names.append("_".join(["output", *parts] if top_is_sequence or not parts else parts))
+    return names
+
+
+def _rename(program: Any, args: tuple[Any, ...], dynamic: Dims, outputs: list[str] | None) -> None:
+    """Give ``program``'s dynamic dimensions the names of `dimension_names` (torch.export calls them ``s77``, one symbol
+    per input) and its outputs ``outputs`` (torch calls them after the last op: ``linear``, ``tanh``)."""
+    import onnx_ir as ir  # the exporter's own IR; imported with the exporter, not with graphopt
+
+    graph = program.model.graph
+    mapping: dict[str, str] = {}
+    leaves = pytree.tree_leaves(args)
+    tensor_names = [names for leaf, names in zip(leaves, dimension_names(args, dynamic)) if isinstance(leaf, torch.Tensor)]
+    if len(tensor_names) != len(graph.inputs):  # the file's inputs are args' tensors, in order; else leave the names
+        tensor_names = []
+    for value, names in zip(graph.inputs, tensor_names):
+        for dim, name in names.items():
+            symbol = value.shape[dim] if value.shape is not None else None
+            if isinstance(symbol, ir.SymbolicDim) and isinstance(symbol.value, str):
+                mapping.setdefault(symbol.value, name)
+    if mapping:
+        symbols = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")  # also inside "s77 + 1"
+        values = [*graph.inputs, *graph.outputs, *(out for node in graph.all_nodes() for out in node.outputs)]
+        def renamed(dim: Any) -> Any:
+            symbolic = isinstance(dim, ir.SymbolicDim) and isinstance(dim.value, str)
+            return symbols.sub(lambda match: mapping[match.group(0)], dim.value) if symbolic else dim
+
+        for value in values:
+            if value.shape is not None:
+                value.shape = ir.Shape([renamed(dim) for dim in value.shape])
+    if outputs is not None and len(outputs) == len(graph.outputs) and len(set(outputs)) == len(outputs):
+        taken = {out.name for node in graph.all_nodes() for out in node.outputs} - {value.name for value in graph.outputs}
+        taken |= {value.name for value in graph.inputs} | set(graph.initializers)
+        if not taken & set(outputs):  # a name an inner value already has would make the file invalid
+            for value, name in zip(graph.outputs, outputs):
+                value.name = name
+
+
 def _export(
-    module: nn.Module, args: tuple[Any, ...], destination: Path, dynamic: Dims, opset: int | None, external_data: bool | None = None
+    module: nn.Module,
+    args: tuple[Any, ...],
+    destination: Path,
+    dynamic: Dims,
+    opset: int | None,
+    external_data: bool | None = None,
+    outputs: list[str] | None = None,
 ) -> None:
-    """torch.onnx.export (dynamo) of ``module`` to ``destination``; external data when asked or over 2 GB."""
+    """torch.onnx.export (dynamo) of ``module`` to ``destination``, with readable dimension and output names (`_rename`);
+    external data when asked or over 2 GB."""
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter, not the user's concern
         program = torch.onnx.export(
             module, args, dynamo=True, dynamic_shapes=auto_spec(args, dynamic), opset_version=opset, verbose=False
         )
     assert program is not None
+    _rename(program, args, dynamic, outputs)
     program.save(destination, external_data=external_data)
 
 
 def _node_counts(path: Path) -> tuple[dict[str, int], int]:
+    import onnx  # imported where used: `import graphopt` stays light
+
     model = onnx.load(str(path), load_external_data=False)
     opset = next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
     return dict(collections.Counter(node.op_type for node in model.graph.node)), opset
 
 
 def _run_onnxruntime(path: Path, args: tuple[Any, ...]) -> list[torch.Tensor]:
+    import onnxruntime  # imported where used: `import graphopt` stays light
+
     try:
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         tensors = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)]
@@ -133,11 +218,14 @@ def write_checked(
     Raises `ExportError` when the exporter, the checker or onnxruntime fails, `VerificationError`
     when onnxruntime's outputs differ from ``reference``'s; nothing is written then.
     """
+    import onnx  # imported where used: `import graphopt` stays light
+
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=destination.parent, prefix=f".{destination.name}.") as scratch:
         staged = Path(scratch) / destination.name
+        expected_outputs = reference_run(reference, args).outputs  # the example's outputs: their names, then the check
         try:
-            _export(exported, args, staged, dynamic, opset, external_data)
+            _export(exported, args, staged, dynamic, opset, external_data, output_names(expected_outputs))
         except Exception as error:
             raise ExportError(
                 f"torch.onnx.export could not export {name} ({error_summary(error)}). Nothing was written."
@@ -152,7 +240,7 @@ def write_checked(
         max_error = 0.0
         if verify:
             for batch_args in (args, other_inputs(args, dynamic, strided=False).args) if any(dynamic) else (args,):
-                outputs = reference_run(reference, batch_args).outputs
+                outputs = expected_outputs if batch_args is args else reference_run(reference, batch_args).outputs
                 expected = [leaf for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
                 comparison = compare(expected, _run_onnxruntime(staged, batch_args), compute_dtype)
                 if not comparison.ok:

@@ -142,3 +142,41 @@ def test_cli_export_and_optimize_onnx(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "fold_conv_bn" in printed and f"ONNX export: {second}" in printed
     x = np.random.default_rng(0).standard_normal((4, 3, 32, 32), dtype=np.float32)
     assert run_onnx(second, torch.from_numpy(x)).shape == (4, 10)
+
+
+def shapes(path: Path) -> dict[str, list[str | int]]:
+    """Each graph input's and output's name -> its dimensions (a name for a dynamic one)."""
+    graph = onnx.load(str(path)).graph
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*graph.input, *graph.output)}
+
+
+def test_bert_file_names_its_dimensions_and_outputs(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    bert = transformers.BertModel(config).eval()
+    tokens = {"input_ids": torch.randint(0, 50, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    graphopt.export_onnx(bert, tokens, tmp_path / "bert.onnx", compare_plain=False)
+    assert shapes(tmp_path / "bert.onnx") == {  # one batch and one sequence for both inputs, ModelOutput's field names
+        "input_ids": ["batch", "sequence"],
+        "attention_mask": ["batch", "sequence"],
+        "last_hidden_state": ["batch", "sequence", 16],
+        "pooler_output": ["batch", 16],
+    }
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.conv(image)
+        return features.relu(), features.mean(dim=(2, 3)).tanh()
+
+
+def test_cnn_file_names_its_batch_and_tuple_outputs(tmp_path: Path) -> None:
+    graphopt.export_onnx(TwoHeads().eval(), (torch.randn(2, 3, 8, 8),), tmp_path / "cnn.onnx", compare_plain=False)
+    assert shapes(tmp_path / "cnn.onnx") == {"image": ["batch", 3, 8, 8], "output_0": ["batch", 4, 6, 6], "output_1": ["batch", 4]}
+    single = tmp_path / "single.onnx"
+    graphopt.export_onnx(nn.Sequential(nn.Conv2d(3, 4, 3)).eval(), (torch.randn(2, 3, 8, 8),), single, compare_plain=False)
+    assert list(shapes(single))[-1] == "output"
