@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# Re-install when the project's metadata changes; otherwise the targets start at once.
+# Re-install when the project's metadata changes; otherwise the targets start at once. CORE_STAMP: torch and graphopt
+# with its core dependencies (all `make demo` needs); STAMP: the test extra on top (tests, benchmarks, notebooks).
+CORE_STAMP := $(VENV)/.graphopt-core-installed
 STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
@@ -11,9 +13,15 @@ TORCH  := torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(CORE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE_STAMP)
+
+# Order-only: a venv the test extra is already in needs nothing more for `make demo`, and the other way round
+# the extra is added to the core install; a change to pyproject.toml refreshes both.
+$(STAMP): pyproject.toml | $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -31,19 +39,22 @@ browser:
 fuzz: $(STAMP)
 	GRAPHOPT_FUZZ_EXAMPLES=500 $(PY) -m pytest tests/test_fuzz.py -p no:cacheprovider
 
-demo: $(STAMP)
+# Only torch and graphopt's own dependencies: not the test extra.
+demo: $(CORE_STAMP)
 	$(VENV)/bin/graphopt demo
 
 # JupyterLab on notebooks/ (installed into .venv the first time; open the URL it prints).
-# JUPYTER_ARGS adds options, e.g. JUPYTER_ARGS="--no-browser --allow-root" in a container running as root.
+# Run as root (a container), it adds --allow-root, which Jupyter otherwise demands. JUPYTER_ARGS adds options,
+# e.g. JUPYTER_ARGS="--no-browser --ip=0.0.0.0" on a headless machine.
 NOTEBOOKS_STAMP := $(VENV)/.graphopt-notebooks-installed
 
 $(NOTEBOOKS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[notebooks]'
 	touch $(NOTEBOOKS_STAMP)
 
+notebooks: JUPYTER_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
 notebooks: $(NOTEBOOKS_STAMP)
-	$(VENV)/bin/jupyter lab notebooks/ $(JUPYTER_ARGS)
+	$(VENV)/bin/jupyter lab notebooks/ $(JUPYTER_ROOT) $(JUPYTER_ARGS)
 
 # The benchmark's extra dependencies (matplotlib for the plot, psutil for memory and load).
 BENCH_STAMP := $(VENV)/.graphopt-bench-installed

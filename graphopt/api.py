@@ -203,6 +203,11 @@ def optimize(
             int8_accuracy = check_int8(model, resolved_mode, memory_format, fuse, accuracy, device)
         elif calibration is not None and not tune:
             raise InvalidOptionError("calibration= is for precision='int8' (or tune=True, which then tries int8): pass one of them, or leave calibration out")
+        if accuracy is not None and not (tune or int8):  # it would be silently ignored
+            raise InvalidOptionError(
+                f"accuracy={accuracy!r} applies with tune=True (the largest error a candidate may have) or precision='int8' "
+                "(the output error budget of the int8 layers): pass one of them, or leave accuracy out"
+            )
         low_dtype = None if int8 else check_precision(precision, model)
         low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
         if fuse is not None and fuse not in FUSE_BACKENDS:

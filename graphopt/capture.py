@@ -42,10 +42,11 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from graphopt import dynamic, progress, verify
 from graphopt.dynamic import Request
-from graphopt.errors import CaptureError, InvalidOptionError
-from graphopt.inputs import argument_names, positional_parameters
+from graphopt.errors import CaptureError, InvalidOptionError, UnknownOptionError
+from graphopt.inputs import argument_names, did_you_mean, keyword_names, positional_parameters
 from graphopt.ops import remove_dead_code
 from graphopt.passes.values import TORCH_DIR
+from graphopt.quiet import foreign_notices_silenced
 from graphopt.side_effects import preserved_user_objects
 from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
 
@@ -58,11 +59,25 @@ _Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
 def one_at_a_time(function: _Function) -> _Function:
-    """Run ``function`` under graphopt's process-wide lock (concurrent calls are serialised)."""
+    """Run ``function`` under graphopt's process-wide lock (concurrent calls are serialised), without torch's
+    notices about its own internals (`graphopt.quiet`): every public call of graphopt is wrapped in this.
+
+    A keyword ``function`` does not take raises `UnknownOptionError` naming the close one (``precison=``: did you
+    mean ``precision``?), where Python's own `TypeError` names none. One wrapper, so that the warnings graphopt
+    raises point at the caller's line with the same ``stacklevel`` everywhere.
+    """
+    parameters = inspect.signature(function).parameters
+    names = None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) else keyword_names(inspect.signature(function))
 
     @functools.wraps(function)
     def serialised(*args: Any, **kwargs: Any) -> Any:
-        with _LOCK:
+        unknown = [] if names is None else [name for name in kwargs if name not in names]
+        if unknown:
+            raise UnknownOptionError(
+                f"{function.__name__}() takes no option {', '.join(map(repr, unknown))}{did_you_mean(unknown, names or [])}"
+                f" (help(graphopt.{function.__name__}) lists every option)"
+            )
+        with _LOCK, foreign_notices_silenced():
             return function(*args, **kwargs)
 
     return serialised  # type: ignore[return-value]

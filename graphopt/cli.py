@@ -3,7 +3,9 @@
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
     graphopt optimize path/to/net.py:build --input 8x3x224x224   (MODULE may also be a module of the current folder)
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 --save model.pt2 [--package model-aoti.pt2]
-    graphopt run model.pt2 [--input 4x3x224x224] [--rounds 20]   (a graphopt.save file or an AOTInductor package)
+    graphopt optimize MODULE:FACTORY --input 8x3x224x224 --precision int8 --calibration batches/ [--accuracy 5e-2]
+                      (--calibration: a folder of .pt files, a .pt file of a list of batches, or MODULE:FUNCTION)
+    graphopt run model.pt2 [--input 4x3x224x224] [--rounds 20] [--allow-import]   (a graphopt.save file or an AOTInductor package)
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
     graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html] [--drawing diff.png]
     graphopt lint train.py [--fix] [--format json]
@@ -24,11 +26,12 @@ import importlib
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,7 +46,7 @@ from graphopt.export import export_onnx
 from graphopt.bench.harness import BenchModel
 from graphopt.bench.models import select_models
 from graphopt.bench.results import to_markdown
-from graphopt.bench.suite import QUICK_MODELS, Settings, run_suite
+from graphopt.bench.suite import QUICK_MODELS, QUICK_VARIANTS, Settings, run_suite
 from graphopt.bench.variants import variants as bench_variants
 from graphopt.diff import diff as graph_diff_of
 from graphopt.drawing import FOLDS, SAVE_SUFFIXES
@@ -51,11 +54,12 @@ from graphopt.dynamic import DEFAULT, POLICIES
 from graphopt.lint import check_source, fix_source
 from graphopt.timing import median_latencies
 from graphopt.capture import FRONTENDS
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, ImportNotAllowedError
+from graphopt.inputs import InputSignature, TensorSpec
 from graphopt.models import REFERENCE_MODELS, get_reference_model
 from graphopt.passes import REGISTRY, PassInfo
 from graphopt.pipeline import list_passes, preset_with
-from graphopt.precision import PRECISIONS
+from graphopt.precision import INT8, PRECISIONS
 from graphopt.runtime import OptimizedModule
 from graphopt.saving import is_aoti_package, load, package, save
 
@@ -73,8 +77,8 @@ class UsageError(GraphoptError):
     """A command-line argument graphopt cannot use."""
 
 
-def parse_input_spec(spec: str, generator: torch.Generator) -> torch.Tensor:
-    """``8x3x224x224`` or ``8x128:int64`` -> a random tensor (integers drawn from [0, 8))."""
+def parse_input_spec(spec: str, generator: torch.Generator, integers_below: int = 8) -> torch.Tensor:
+    """``8x3x224x224`` or ``8x128:int64`` -> a random tensor (integers drawn from [0, ``integers_below``))."""
     shape_text, _, dtype_name = spec.partition(":")
     dtype = _DTYPES.get(dtype_name or "float32")
     try:
@@ -88,7 +92,7 @@ def parse_input_spec(spec: str, generator: torch.Generator) -> torch.Tensor:
         )
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator).to(dtype)
-    return torch.randint(0, 8, shape, generator=generator, dtype=dtype)
+    return torch.randint(0, integers_below, shape, generator=generator, dtype=dtype)
 
 
 def _import(module_name: str) -> ModuleType:
@@ -96,7 +100,7 @@ def _import(module_name: str) -> ModuleType:
     path = Path(module_name)
     if path.suffix == ".py":
         if not path.is_file():
-            raise UsageError(f"{module_name} is not a file: name a Python file that builds the model, e.g. models/net.py:build")
+            raise UsageError(f"{module_name} is not a file: check the path of the Python file, e.g. models/net.py:build")
         name = path.stem if path.stem not in sys.modules else f"graphopt_factory_{path.stem}"  # never shadow a module
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
@@ -112,22 +116,28 @@ def _import(module_name: str) -> ModuleType:
     return importlib.import_module(module_name)
 
 
-def load_factory(reference: str) -> nn.Module:
-    """Import ``MODULE:FACTORY`` (or ``path/to/file.py:FACTORY``) and call the factory (or take the module instance)."""
+def _import_attribute(reference: str, form: str) -> Any:
+    """What ``MODULE:NAME`` (or ``path/to/file.py:NAME``) names; ``form`` is the spelling errors show."""
     module_name, _, attribute = reference.rpartition(":")
     if not module_name or not attribute:
-        raise UsageError(f"{reference!r} is not MODULE:FACTORY or FILE.py:FACTORY, e.g. graphopt.models:resnet_small")
+        raise UsageError(f"{reference!r} is not {form}")
     try:
         module = _import(module_name)
     except UsageError:
         raise
     except Exception as error:  # a module that fails to import is the user's to fix, not a crash
         raise UsageError(f"cannot import {module_name!r} ({type(error).__name__}: {error}); is it on PYTHONPATH?") from error
-    factory = getattr(module, attribute, None)
-    if factory is None:
+    found = getattr(module, attribute, None)
+    if found is None:
         close = difflib.get_close_matches(attribute, [name for name in dir(module) if not name.startswith("_")], n=1)
         hint = f"; did you mean {module_name}:{close[0]}?" if close else ""
         raise UsageError(f"module {module_name!r} has no attribute {attribute!r}{hint}")
+    return found
+
+
+def load_factory(reference: str) -> nn.Module:
+    """Import ``MODULE:FACTORY`` (or ``path/to/file.py:FACTORY``) and call the factory (or take the module instance)."""
+    factory = _import_attribute(reference, "MODULE:FACTORY or FILE.py:FACTORY, e.g. graphopt.models:resnet_small")
     if isinstance(factory, nn.Module):
         return factory
     if not callable(factory):
@@ -161,6 +171,99 @@ def _model_and_inputs(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.
     return model, tuple(parse_input_spec(spec, generator) for spec in args.input)
 
 
+CALIBRATION_SOURCES = (
+    "a folder of .pt files (one batch each, written by torch.save), a .pt file holding a list of batches, "
+    "or MODULE:FUNCTION (or FILE.py:FUNCTION) returning or yielding batches"
+)
+
+
+def load_calibration(source: str) -> list[Any]:
+    """The batches ``--calibration SOURCE`` names (`CALIBRATION_SOURCES`), for optimize's ``calibration``.
+
+    A batch is a tensor, or a tuple/list/dict of tensors; `graphopt.optimize` checks each
+    against the example inputs. Files are read with ``torch.load(weights_only=True)``, which
+    rebuilds tensors and containers only: a data file never runs code.
+    """
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.pt"))
+        if not files:
+            raise UsageError(
+                f"--calibration {source}: the folder holds no .pt file; save one batch per file in it, "
+                f"e.g. torch.save(batch, '{path / 'batch_000.pt'}')"
+            )
+        return [_checked_batch(_saved_tensors(file), str(file)) for file in files]
+    if path.suffix == ".pt":
+        if not path.is_file():
+            raise UsageError(f"--calibration {source}: no such file; give {CALIBRATION_SOURCES}")
+        saved = _saved_tensors(path)
+        if not isinstance(saved, list) or not saved:
+            what = "an empty list" if isinstance(saved, list) else f"one {type(saved).__name__}"
+            raise UsageError(
+                f"--calibration {source} holds {what}, not a list of batches: save one with torch.save([batch, ...], path), "
+                "or one batch per file in a folder"
+            )
+        return [_checked_batch(batch, f"{source} item {index}") for index, batch in enumerate(saved)]
+    if ":" in source:
+        return _batches_from_function(source)
+    raise UsageError(f"--calibration {source}: no such folder; give {CALIBRATION_SOURCES}")
+
+
+def _saved_tensors(file: Path) -> Any:
+    """What torch.save wrote to ``file``, read as tensors and containers only (on the CPU, where int8 runs)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # weights_only met an object it would have to run code to rebuild
+        raise UsageError(
+            f"--calibration: {file} holds objects other than tensors, which graphopt does not load (loading them could run "
+            "code from the file): save batches as tensors, or tuples/lists/dicts of tensors (numpy arrays: torch.from_numpy first)"
+        ) from error
+    except Exception as error:  # not a torch.save file at all
+        raise UsageError(f"--calibration: cannot read {file} as a torch.save file ({type(error).__name__}: {error})") from error
+
+
+def _checked_batch(batch: Any, where: str) -> Any:
+    """``batch`` if it is a tensor or a tuple/list/dict of tensors; otherwise an error naming ``where`` it came from."""
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    if isinstance(batch, (torch.Tensor, tuple, list, dict)) and leaves and all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return batch
+    raise UsageError(f"--calibration: {where} holds one {type(batch).__name__}, not a batch: a batch is a tensor, or a tuple/list/dict of tensors")
+
+
+def _batches_from_function(reference: str) -> list[Any]:
+    """The batches the function ``MODULE:FUNCTION`` returns or yields, called with no arguments."""
+    try:
+        function = _import_attribute(reference, f"MODULE:FUNCTION or FILE.py:FUNCTION; give {CALIBRATION_SOURCES}")
+    except UsageError as error:
+        raise UsageError(f"--calibration: {error}") from error
+    if not callable(function):
+        raise UsageError(f"--calibration {reference} is a {type(function).__name__}: name a function that returns or yields batches")
+    try:
+        result = function()
+        # a tensor or dict iterates, but over rows or keys, not batches
+        of_batches = isinstance(result, Iterable) and not isinstance(result, (torch.Tensor, Mapping, str, bytes))
+        batches = list(result) if of_batches else None  # a generator's body runs here: its errors are the function's
+    except Exception as error:  # the user's code failed: say so, not a traceback
+        raise UsageError(f"--calibration {reference}() failed ({type(error).__name__}: {error}); it is called with no arguments") from error
+    if batches is None:
+        raise UsageError(
+            f"--calibration {reference}() returned one {type(result).__name__}: return or yield the batches "
+            "(a list, a generator or a DataLoader), each a tensor or a tuple/list/dict of tensors"
+        )
+    if not batches:
+        raise UsageError(f"--calibration {reference}() gave no batch: return or yield at least one")
+    return batches
+
+
+def _calibration(args: argparse.Namespace) -> list[Any] | None:
+    """The batches of --calibration, or None; --precision int8 requires it."""
+    if args.calibration is not None:
+        return load_calibration(args.calibration)
+    if args.precision == INT8:
+        raise UsageError(f"--precision int8 needs --calibration SOURCE, the batches each layer's input range is measured on: {CALIBRATION_SOURCES}")
+    return None
+
+
 DYNAMIC_CHOICES = (*POLICIES, "none")
 DYNAMIC_HELP = "input sizes calls may vary: batch+sequence (default), batch, auto (every dimension the model allows), none"
 
@@ -177,6 +280,7 @@ def _progress(args: argparse.Namespace) -> bool | None:
 
 def _command_optimize(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
+    calibration = _calibration(args)
     optimized = optimize(
         model,
         inputs,
@@ -189,6 +293,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         memory_format=args.memory_format,
         keep_channels_last_outputs=args.keep_channels_last_outputs,
         precision=args.precision,
+        calibration=calibration,
         fuse=args.fuse,
         tune=args.tune,
         accuracy=args.accuracy,
@@ -207,6 +312,18 @@ def _command_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_inputs(specs: list[str], signature: InputSignature | None, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random tensors of the --input shapes for ``graphopt run``. A spec without a dtype takes the saved signature's
+    (``2x128`` for token ids is int64); integers are 0 or 1, valid token ids, masks and token types whatever the vocabulary."""
+    saved = [leaf.dtype for leaf in signature.leaves if isinstance(leaf, TensorSpec)] if signature else []
+    dtype_names = {dtype: name for name, dtype in _DTYPES.items()}
+    specs = [
+        f"{spec}:{dtype_names[saved[index]]}" if ":" not in spec and index < len(saved) and saved[index] in dtype_names else spec
+        for index, spec in enumerate(specs)
+    ]
+    return tuple(parse_input_spec(spec, generator, integers_below=2) for spec in specs)
+
+
 def _command_run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     started = time.perf_counter()
@@ -214,16 +331,22 @@ def _command_run(args: argparse.Namespace) -> int:
         if not args.input:
             raise UsageError("an AOTInductor package does not record its inputs: give their shapes with --input, e.g. --input 8x3x224x224")
         runner: Callable[..., Any] = torch._inductor.aoti_load_package(str(path))
-        kind = "AOTInductor package"
+        signature, kind = None, "AOTInductor package"
     else:
-        runner = load(path)
-        kind = f"graphopt module; accepts {runner.input_signature.describe()}" if runner.input_signature else "graphopt module"
+        try:
+            runner = load(path, allow_import=args.allow_import)
+        except ImportNotAllowedError as error:
+            raise UsageError(
+                f"{error.reason}: add --allow-import to let graphopt import {', '.join(error.modules)} (it runs that module's code: "
+                "allow it for files you trust)"
+            ) from error
+        signature = runner.input_signature
+        kind = f"graphopt module; accepts {signature.describe()}" if signature else "graphopt module"
     loaded_s = time.perf_counter() - started
-    generator = torch.Generator().manual_seed(args.seed)
     if args.input:
-        inputs = tuple(parse_input_spec(spec, generator) for spec in args.input)
+        inputs = _run_inputs(args.input, signature, torch.Generator().manual_seed(args.seed))
     else:
-        inputs = runner.input_signature.example_inputs()  # the sizes it was optimized at
+        inputs = runner.input_signature.example_inputs()  # the sizes it was optimized at (integers 0)
     with torch.no_grad():
         outputs = runner(*inputs)
     shapes = [list(leaf.shape) for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
@@ -375,7 +498,9 @@ def _bench_command_line(args: argparse.Namespace, settings: Settings, selection:
     """The command that repeats this run, with the defaults it used spelled out."""
     words = ["graphopt", "bench", "--models", selection, "--batch", str(settings.batch), "--device", settings.device]
     words += ["--rounds", str(settings.rounds), "--warmup", str(settings.warmup)]
-    for option in ("low_precision", "variants", "exclude", "time_budget"):
+    if settings.variants is not None:  # --quick's own list too: the command repeats the same run
+        words += ["--variants", ",".join(settings.variants)]
+    for option in ("low_precision", "exclude", "time_budget"):
         if getattr(args, option) is not None:
             words += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     for spec in args.input or ():
@@ -389,10 +514,11 @@ def _command_bench(args: argparse.Namespace) -> int:
             print(f"{variant.key:<22} {variant.role:<9} {variant.label}")
         return 0
     given = {name: getattr(args, name) for name in ("device", "batch", "rounds", "warmup", "low_precision") if getattr(args, name) is not None}
+    defaults = Settings.quick() if args.quick else Settings()
     settings = dataclasses.replace(
-        Settings.quick() if args.quick else Settings(),
+        defaults,
         **given,
-        variants=_split_names(args.variants),
+        variants=_split_names(args.variants) or defaults.variants,
         exclude=tuple(_split_names(args.exclude) or ()),
         time_budget_s=None if args.time_budget is None else args.time_budget * 60,
         output_dir=Path(args.output_dir),
@@ -411,6 +537,8 @@ def _when_it_runs(info: PassInfo) -> str:
         return f"default: {', '.join(info.presets)}"
     if info.lowers_precision:
         return "opt-in: --precision"
+    if info.quantizes:
+        return "opt-in: --precision int8"
     if info.fuse == "regions":
         return "opt-in: --fuse"
     return "opt-in: --passes"
@@ -448,10 +576,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="channels_last for convs: auto (if it measures faster), channels_last, preserve",
     )
     run.add_argument("--keep-channels-last-outputs", action="store_true", help="leave 4-D outputs in channels_last")
-    run.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16/fp16: conv, linear, matmul in low precision (opt-in)")
+    run.add_argument(
+        "--precision",
+        choices=(*PRECISIONS, INT8),
+        default="fp32",
+        help="bf16/fp16: conv, linear, matmul in low precision (opt-in); int8 (CPU inference, with --calibration): "
+        "convs and linears on oneDNN's int8 kernels, each layer over --accuracy kept in float32",
+    )
+    run.add_argument("--calibration", metavar="SOURCE", help=f"with --precision int8 (or --tune): the batches each layer's input range is measured on: {CALIBRATION_SOURCES}")
     run.add_argument("--fuse", choices=FUSE_BACKENDS, default=None, help="compile pointwise regions (inductor, torchscript) or the whole graph")
     run.add_argument("--tune", action="store_true", help="time candidate configurations and keep the fastest within --accuracy")
-    run.add_argument("--accuracy", type=float, default=None, help="with --tune: largest error allowed, relative to the output scale (3e-2 admits bf16)")
+    run.add_argument(
+        "--accuracy",
+        type=float,
+        default=None,
+        help="largest error allowed, relative to the output scale: with --tune (default 1e-4; 3e-2 admits bf16) "
+        "or --precision int8 (default 5e-2)",
+    )
     run.add_argument("--report", metavar="PATH", help="also write the report as JSON")
     run.add_argument("--seed", type=int, default=0, help="seed of the random example inputs")
     run.add_argument("--onnx", metavar="PATH", help="also export the optimized model to ONNX (inference mode, checked)")
@@ -463,7 +604,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     run_file = commands.add_parser("run", help="load a file graphopt optimize --save (or --package) wrote and time it on random inputs")
     run_file.add_argument("file", metavar="FILE.pt2", help="a graphopt.save file or an AOTInductor package")
-    run_file.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]", help="one per input (default for graphopt files: the example's sizes)")
+    run_file.add_argument(
+        "--input",
+        action="append",
+        metavar="SHAPE[:DTYPE]",
+        help="one per input (default for graphopt files: the example's sizes); DTYPE defaults to the file's, integers are 0 or 1",
+    )
+    run_file.add_argument(
+        "--allow-import",
+        action="store_true",
+        help="import the modules of the file's input and output classes (e.g. transformers.modeling_outputs); this runs "
+        "their code: only for files you trust",
+    )
     run_file.add_argument("--rounds", type=_positive_int, default=20, help="timed calls (default 20)")
     run_file.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     run_file.set_defaults(handler=_command_run)
@@ -524,7 +676,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--low-precision", choices=("bf16", "fp16"), help="dtype of the autocast/low-precision variants (default: bf16 where supported)")
     bench.add_argument("--time-budget", type=float, metavar="MINUTES", help="start no variant after this many minutes (the rest is listed as skipped)")
     bench.add_argument("--output-dir", default="bench-results", metavar="DIR", help="where bench.json, bench.md and bench.png go")
-    bench.add_argument("--quick", action="store_true", help="smoke run for CI: tiny batch, 2 rounds, the smallest model; figures mean nothing")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run for CI, well under a minute: the smallest model (unless --models), batch 2, 2 rounds, the variants "
+        f"{','.join(QUICK_VARIANTS)} (unless --variants); figures mean nothing",
+    )
     bench.set_defaults(handler=_command_bench)
 
     passes = commands.add_parser("passes", help="list the available passes: modes, where each runs by default or how to ask for it")
@@ -532,14 +689,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# `name=value` in a library message: True/False/None, a quoted string, a list, a number, or nothing (`passes=`)
-_PYTHON_OPTION = re.compile(r"\b([a-z_]+)=(True|False|None|'[^']*'|\[[^\]]*\]|[0-9][0-9.e+-]*|(?=[\s.,;:)]|$))")
+# `name=value` in a library message: True/False/None, a quoted string, a list, a dict (one level of nesting: a
+# torch.export spec), a number, or nothing (`passes=`)
+_PYTHON_OPTION = re.compile(
+    r"\b([a-z_]+)=(True|False|None|'[^']*'|\[[^\]]*\]|\{(?:[^{}]|\{[^{}]*\})*\}|[0-9][0-9.e+-]*|(?=[\s.,;:)]|$))"
+)
 _CALL = re.compile(r"(?:graphopt\.)?optimize\(\.\.\., ([^()]*)\)")  # "graphopt.optimize(..., mode='training')"
 
 
 def cli_words(message: str, command: argparse.ArgumentParser) -> str:
     """``message`` with the library's option spellings (``overwrite=True``) in ``command``'s (``--overwrite``)."""
     flags = {action.dest: action.option_strings[-1] for action in command._actions if action.option_strings}
+    choices = {action.dest: [str(choice) for choice in action.choices] for action in command._actions if action.option_strings and action.choices}
     special = {("verify", "'strict'"): "--strict-verify", ("verify", "False"): "--no-verify"}
 
     def flag(match: re.Match[str]) -> str:
@@ -552,7 +713,11 @@ def cli_words(message: str, command: argparse.ArgumentParser) -> str:
             return flags[name]
         if value.startswith("["):
             value = ",".join(re.findall(r"'([^']*)'", value))
-        return f"{flags[name]} {value.strip(chr(39))}"
+        value = value.strip(chr(39))
+        if name in choices:  # the command's own spelling of the value (None -> none), or every value it takes
+            spelled = [choice for choice in choices[name] if choice.lower() == value.lower()]
+            value = spelled[0] if spelled else "{" + ",".join(choices[name]) + "}"
+        return f"{flags[name]} {value}"
 
     return _PYTHON_OPTION.sub(flag, _CALL.sub(lambda call: call.group(1), message))
 

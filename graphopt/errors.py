@@ -34,6 +34,10 @@ class InvalidOptionError(GraphoptError, ValueError):
     """An option has a value graphopt does not know (frontend, mode, ...)."""
 
 
+class UnknownOptionError(InvalidOptionError, TypeError):
+    """A function of graphopt's API was called with a keyword it does not take (a `TypeError`, as Python's own would be)."""
+
+
 class UnknownPassError(InvalidOptionError):
     """A pass name given in `passes=` or `disable=` is not registered."""
 
@@ -69,7 +73,7 @@ class SideEffectWarning(UserWarning):
 
 
 class ModeSwitchError(GraphoptError, RuntimeError):
-    """An optimized module was switched to a mode its rewrites do not support."""
+    """An optimized module was switched to a mode (train/eval) or a dtype (``.double()``) its rewrites do not support."""
 
 
 class CheckpointError(GraphoptError, ValueError):
@@ -86,3 +90,13 @@ class SaveError(GraphoptError, ValueError):
 
 class LoadError(GraphoptError, ValueError):
     """A file is missing, damaged, or not one `graphopt.load` reads."""
+
+
+class ImportNotAllowedError(LoadError):
+    """A saved module's inputs or outputs are classes of a module not imported yet, which `graphopt.load` imports only
+    when allowed (``allow_import=True``): importing a module runs its code."""
+
+    def __init__(self, message: str, *, modules: list[str], reason: str) -> None:
+        super().__init__(message)
+        self.modules = list(modules)
+        self.reason = reason  # what is missing, without the advice (the command line gives its own)

@@ -20,6 +20,7 @@ never the example's value.
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import json
 import math
@@ -72,6 +73,18 @@ def positional_arguments(
     return tuple(bound.arguments.get(parameter.name, parameter.default) for parameter in parameters[:count])
 
 
+def did_you_mean(unknown: Sequence[str], names: Sequence[str]) -> str:
+    """``"; 'attention_maks': did you mean 'attention_mask'?"`` for each name of ``unknown`` close to one of ``names`` ('' when none is)."""
+    close = [difflib.get_close_matches(name, names, n=1) for name in unknown]
+    return "".join(f"; {name!r}: did you mean {match[0]!r}?" for name, match in zip(unknown, close, strict=True) if match)
+
+
+def keyword_names(signature: inspect.Signature) -> list[str]:
+    """The parameters of ``signature`` a call can name (not ``*args``/``**kwargs``)."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [parameter.name for parameter in signature.parameters.values() if parameter.kind not in variadic]
+
+
 @dataclass
 class OtherInputs:
     """A candidate second input and how it differs from the example."""
@@ -85,6 +98,13 @@ def describe_leaf(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"Tensor{list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')} {leaf.device}"
     return type(leaf).__name__
+
+
+def describe_value(value: Any) -> str:
+    """``value`` for an error message: tensors (also inside containers) described, never their values; other values by repr."""
+    if isinstance(value, torch.Tensor):
+        return describe_leaf(value)
+    return describe_inputs(value) if holds_tensor(value) else repr(value)
 
 
 def describe_inputs(args: tuple[Any, ...]) -> str:
@@ -362,11 +382,46 @@ class InputSignature:
         try:
             bound = positional_arguments(self.signature, args, kwargs, length=len(self.names), parameters=self.parameters)
         except TypeError as error:
-            raise InputMismatchError(f"the call does not fit forward{self.signature}: {error}") from error
+            names = keyword_names(self.signature)
+            unknown = [name for name in kwargs if name not in names]
+            problem = f"forward() has no parameter named {', '.join(map(repr, unknown))}{did_you_mean(unknown, names)}" if unknown else str(error)
+            # the accepted names, not forward()'s whole signature: a Hugging Face one runs to hundreds of characters
+            raise InputMismatchError(f"the call does not fit this optimized module ({problem}). It takes {self._accepted()}.") from error
+        self._check_positions(args, kwargs)
         for parameter in self.parameters[len(args) : len(self.names)]:
             if parameter.name not in kwargs:
                 self._check_default(parameter.name, parameter.default)
         return bound
+
+    def _tensor_arguments(self) -> list[str]:
+        """The arguments whose example held a tensor, in forward()'s order."""
+        return [name for name in self.names if name not in self.settings]
+
+    def _by_name(self) -> str:
+        """The call that names every tensor argument, e.g. ``fast(input_ids=..., attention_mask=...)``."""
+        return "fast(" + ", ".join(f"{name}=..." for name in self._tensor_arguments()) + ")"
+
+    def _accepted(self) -> str:
+        """The arguments a call may give, briefly: ``input_ids, attention_mask, by position or by name: fast(input_ids=..., attention_mask=...)``."""
+        names = [name for name in self.names if self.settings.get(name, ...) is not None]  # not those the example left at None
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"{shown}, by position or by name: {self._by_name()}"
+
+    def _check_positions(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse a call that gives a tensor by position to an argument the example gave none, and leaves out a tensor argument after it.
+
+        The usual cause: the example named its inputs (``{"input_ids": ..., "attention_mask": ...}``),
+        skipping a parameter between them (GPT-2's cache), and the call gives them by position.
+        """
+        left_out = [name for name in self.names[len(args) :] if name not in self.settings and name not in kwargs]
+        for index, (name, value) in enumerate(zip(self.names, args)):
+            later = [other for other in left_out if self.names.index(other) > index]
+            if name in self.settings and holds_tensor(value) and later:
+                raise InputMismatchError(
+                    f"argument {index + 1} of the call, {describe_value(value)}, lands by position on forward()'s parameter {name!r}, "
+                    f"which this optimized module takes as {name}={self.settings[name]!r}; forward() takes {', '.join(later)} after it. "
+                    f"Pass the inputs by name: {self._by_name()}."
+                )
 
     def _check_default(self, name: str, default: Any) -> None:
         """Refuse a call that leaves out ``name`` when the graph cannot compute with forward()'s ``default`` for it.
@@ -386,15 +441,15 @@ class InputSignature:
             else:
                 why = "the graph does not read it: symbolic_trace fixed that value in the graph"
             given = f"the example's {name}={example!r}"
-            fix = f"Pass {name}={example!r} for what the graph computes, or optimize with {name}={default!r} (or {name} left out) to run with the default."
+            fix = f"Pass {name}={example!r} for what the graph computes, or optimize with {name}={describe_value(default)} (or {name} left out) to run with the default."
         elif holds_tensor(default):
             return  # `check` compares it with what the graph accepts
         else:
             accepted = [leaf.accepted() for leaf in self.leaves if isinstance(leaf, TensorSpec) and self._argument(leaf.name) == name]
             given, why = f"a tensor for {name} ({', '.join(accepted)})", "the graph computes with it"
-            fix = f"Pass {name}, or optimize with example inputs that leave {name} out to run with the default."
+            fix = f"Pass {name} (all inputs by name: {self._by_name()}), or optimize with example inputs that leave {name} out to run with the default."
         raise InputMismatchError(
-            f"{name} was left out of the call, so forward()'s default {name}={default!r} applies, but this optimized module was "
+            f"{name} was left out of the call, so forward()'s default {name}={describe_value(default)} applies, but this optimized module was "
             f"captured and verified with {given} ({why}): it would compute something else than forward() does. {fix}"
         )
 
@@ -413,7 +468,7 @@ class InputSignature:
                 name, example = expected
                 same = type(value) is type(example) and (not self._fixed(name) or value == example)
                 if not same:
-                    self._refuse(name, f"is {describe_leaf(value) if isinstance(value, torch.Tensor) else repr(value)}")
+                    self._refuse(name, f"is {describe_value(value)}")
 
     def _refuse(self, what: str, problem: str, dims: list[int] | None = None) -> None:
         sizes = "* sizes vary (each verified at a second size), the others are the example's" if self.free else "every size is the example's"

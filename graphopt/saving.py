@@ -15,7 +15,9 @@
   pickled entries, and every text torch.export.load would run as Python written as torch
   writes it: see `_foreign_code`) before torch.export reads it, so that loading runs no
   code from the file, then turns the portable calls back into oneDNN kernels, prepacked
-  for this CPU.
+  for this CPU. Where the inputs or outputs are classes of a library (Hugging Face's
+  ``ModelOutput``s), that module must be imported first: `load` imports it only when the
+  caller allows it (``allow_import=True``, see `_import_containers`).
 - `package` compiles the graph ahead of time with AOTInductor
   (``torch._inductor.aoti_compile_and_package``) into a ``.pt2`` package that
   ``torch._inductor.aoti_load_package`` and the C++ runtime run without Python model code;
@@ -32,6 +34,9 @@ from __future__ import annotations
 import ast
 import base64
 import copyreg
+import functools
+import importlib
+import importlib.util
 import json
 import keyword
 import os
@@ -46,12 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._export.serde import serialize as torch_serialize
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from graphopt.capture import one_at_a_time
-from graphopt.errors import LoadError, SaveError, error_summary
+from graphopt.errors import ImportNotAllowedError, LoadError, SaveError, error_summary
 from graphopt.inputs import InputSignature, TensorSpec, other_inputs
 from graphopt.report import Report
 from graphopt.runtime import OptimizedModule, int8_modules
@@ -311,7 +315,17 @@ ATTRIBUTE_PATH = re.compile(r"\w+(\.\w+)*", re.ASCII)  # a parameter's, buffer's
 NOT_DUNDER = r"(?!__)\w+"  # torch.ops.aten.__class__ is no operator
 # torch.ops.aten.add.Tensor, torch.ops.aten.__and__.Tensor, torch.ops.higher_order.cond
 OPERATOR = re.compile(rf"torch\.ops\.{NOT_DUNDER}\.({NOT_DUNDER}|__i?(and|or|xor|lshift|rshift)__)(\.{NOT_DUNDER})?", re.ASCII)
-SYMBOLIC_OPERATORS = frozenset(f"{op.__module__}.{op.__name__}" for op in torch_serialize._SYM_OPS)  # _operator.mul, torch.sym_max
+
+
+@functools.cache
+def _symbolic_operators() -> frozenset[str]:
+    """The symbolic ops torch writes as node targets (``_operator.mul``, ``torch.sym_max``); imported when a file is
+    read: torch's serializer pulls in torch._dynamo, a second of `import graphopt` otherwise."""
+    from torch._export.serde import serialize as torch_serialize
+
+    return frozenset(f"{op.__module__}.{op.__name__}" for op in torch_serialize._SYM_OPS)
+
+
 FLOAT_TEXT = re.compile(r"-?[0-9]+(\.[0-9]*)?(e[-+]?[0-9]+)?")
 # the sympy classes sympy.srepr writes for torch's sizes, and torch's own (the deserializer's ``sympy_functions``)
 SIZE_FUNCTIONS = frozenset({
@@ -472,7 +486,7 @@ def _foreign_code(program: dict[str, Any], sample_inputs: Any) -> list[str]:
     for guard in program.get("guards_code", []):
         check(_is_guard(_parsed(guard)), "the guard", guard)
     for target in [*_values_of(module, "target"), *_values_of(module, "as_operator")]:
-        check(target in SYMBOLIC_OPERATORS or (isinstance(target, str) and OPERATOR.fullmatch(target) is not None), "the operator", target)
+        check(target in _symbolic_operators() or (isinstance(target, str) and OPERATOR.fullmatch(target) is not None), "the operator", target)
     for field in ("parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name"):
         for name in _values_of(module["signature"], field):
             check(isinstance(name, str) and ATTRIBUTE_PATH.fullmatch(name) is not None, "the attribute", name)
@@ -508,7 +522,62 @@ def _refuse_code(source: Path, archive: zipfile.ZipFile, members: dict[str, str]
         )
 
 
-def _read_metadata(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+# A module name as Python writes it (transformers.modeling_outputs): never a path, never anything but names.
+MODULE_NAME = re.compile(r"(?!\d)\w+(\.(?!\d)\w+)*", re.ASCII)
+
+
+def _installed(name: str) -> bool:
+    """Whether module ``name`` is on ``sys.path`` (Python imports its parent packages to find it, as ``import`` would)."""
+    return importlib.util.find_spec(name.partition(".")[0]) is not None and importlib.util.find_spec(name) is not None
+
+
+def _module_name(name: Any) -> bool:
+    return isinstance(name, str) and MODULE_NAME.fullmatch(name) is not None and not any(keyword.iskeyword(part) for part in name.split("."))
+
+
+def _import_containers(names: Any, what: str, allow_import: bool, loader: str) -> None:
+    """Make sure the modules defining the input and output containers of ``what`` (``container_modules``) are imported:
+    torch's pytree knows a class (a Hugging Face ``ModelOutput``) once its module has run, and cannot read the file before.
+
+    Importing a module runs its code, and the file names the module: so `load` imports only when the caller allows it,
+    only after every other check of the file, only modules installed here (found on ``sys.path`` by
+    ``importlib.util.find_spec``: a name, never a path), and only names that are dotted identifiers. Otherwise it raises
+    `ImportNotAllowedError` saying what to import. A lazy package does not help: ``import transformers`` leaves
+    ``transformers.modeling_outputs`` unimported until something of it is used.
+    """
+    if not isinstance(names, list) or not all(map(_module_name, names)):
+        # refused before any message quotes them as advice: a file does not get to write the command the user runs
+        raise LoadError(
+            f"{what} names {str(names)[:80]} as modules to import, which graphopt.save never writes: it was not written by "
+            "graphopt.save, or was changed since. Load only files you saved."
+        )
+    missing = [name for name in names if name not in sys.modules]
+    if missing and not allow_import:
+        imports = " and ".join(f"`import {name}`" for name in missing)
+        lazy = [f"`import {name.rpartition('.')[0]}` alone does not import {name}" for name in missing if name.rpartition(".")[0] in sys.modules]
+        reason = f"{what} takes or returns classes of {', '.join(missing)}, which torch must know to read it"
+        advice = f"run {imports} before {loader}" + (f" ({'; '.join(lazy)})" if lazy else "")
+        if loader == "graphopt.load":
+            advice += (
+                ", or let graphopt.load import it: `graphopt.load(path, allow_import=True)` (command line: `graphopt run FILE "
+                "--allow-import`). Importing runs that module's code: allow it for files you trust"
+            )
+        raise ImportNotAllowedError(f"{reason}: {advice}.", modules=missing, reason=reason)
+    for name in missing:
+        try:
+            installed = _installed(name)
+            if installed:
+                importlib.import_module(name)
+        except Exception as error:  # a parent package failing to import
+            raise LoadError(f"importing {name}, which {what} needs, failed ({error_summary(error)}): fix that import, then load again") from error
+        if not installed:
+            raise LoadError(
+                f"{what} takes or returns classes of {name}, which is not installed here: install the library that provides it "
+                "(the one the module was saved with), then load again"
+            )
+
+
+def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not source.is_file():
         raise LoadError(f"no file at {source}: give the path graphopt.save wrote")
     members = _archive_members(source)
@@ -529,12 +598,7 @@ def _read_metadata(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
                 )
             _refuse_pickles(source, archive, members)
             _refuse_code(source, archive, members)
-            missing = [name for name in metadata.get("container_modules", []) if name not in sys.modules]
-            if missing:  # a file does not get to choose what is imported: the caller imports it
-                raise LoadError(
-                    f"the module's inputs or outputs are classes of {', '.join(missing)}, which torch must know to read {source}: "
-                    f"run `import {missing[0]}` before graphopt.load"
-                )
+            _import_containers(metadata.get("container_modules", []), what, allow_import, loader)
             fp32_name = members.get(f"extra/{FP32_WEIGHTS_FILE}")
             fp32_weights = _decode_tensors(archive.read(fp32_name).decode()) if fp32_name else {}
     except LoadError:
@@ -544,8 +608,10 @@ def _read_metadata(source: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
     return metadata, fp32_weights
 
 
-def _read(source: Path) -> OptimizedModule:
-    metadata, fp32_weights = _read_metadata(source)
+def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load") -> OptimizedModule:
+    """The module in the file at ``source``; ``loader``: what the caller called (`load`, or torch.load through `from_bytes`)."""
+    what = f"the module in {source}" if loader == "graphopt.load" else "the pickled module"  # from_bytes reads a scratch file
+    metadata, fp32_weights = _read_metadata(source, what, allow_import, loader)
     try:
         program = torch.export.load(source)
         graph_module = program.module()
@@ -564,14 +630,18 @@ def _read(source: Path) -> OptimizedModule:
 
 
 @one_at_a_time
-def load(path: str | os.PathLike[str]) -> OptimizedModule:
+def load(path: str | os.PathLike[str], *, allow_import: bool = False) -> OptimizedModule:
     """The `OptimizedModule` `save` wrote to ``path``, ready to run (oneDNN weights packed again for this CPU).
 
     Needs graphopt, not the model's code. Raises `LoadError` for a missing, truncated,
     damaged or foreign file, a file of another graphopt format version, or one holding
     pickled objects or text torch.export.load would run as Python (`_foreign_code`).
+    Where the inputs or outputs are classes of a module not imported yet (Hugging Face's
+    ``transformers.modeling_outputs``), raises `ImportNotAllowedError` naming it, unless
+    ``allow_import``: then `load` imports it, if it is installed here. Importing runs that
+    module's code: allow it for files you trust.
     """
-    return _read(Path(path))
+    return _read(Path(path), allow_import)
 
 
 def to_bytes(module: OptimizedModule) -> bytes:
@@ -585,7 +655,7 @@ def from_bytes(data: bytes) -> OptimizedModule:
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "module.pt2"
         path.write_bytes(data)
-        return load(path)
+        return _read(path, loader="torch.load")
 
 
 def _pickled(module: OptimizedModule) -> tuple[Callable[[bytes], OptimizedModule], tuple[bytes]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
@@ -16,7 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError, error_summary
 from graphopt.dynamic import Dims, batch_size, leaf_names
-from graphopt.inputs import OtherInputs, argument_names, copied_inputs, describe_inputs, other_inputs, positional_arguments, positional_parameters
+from graphopt.inputs import (
+    OtherInputs, argument_names, copied_inputs, describe_inputs, did_you_mean, keyword_names, other_inputs, positional_arguments, positional_parameters,
+)  # fmt: skip
 
 
 def _with_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -28,10 +29,8 @@ def _with_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     try:
         return positional_arguments(signature, args, kwargs)
     except TypeError as error:
-        names = [name for name in signature.parameters if name not in ("args", "kwargs")]
         unknown = [name for name in kwargs if name not in signature.parameters]
-        close = [difflib.get_close_matches(name, names, n=1) for name in unknown]
-        hint = "".join(f"; {name!r}: did you mean {match[0]!r}?" for name, match in zip(unknown, close, strict=True) if match)
+        hint = did_you_mean(unknown, keyword_names(signature))
         reason = f"no parameter named {', '.join(map(repr, unknown))}" if unknown else str(error)
         raise InvalidInputsError(f"example inputs {sorted(kwargs)} do not fit {type(model).__name__}.forward{signature} ({reason}){hint}") from error
 

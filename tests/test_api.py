@@ -81,6 +81,40 @@ def test_inference_module_runs_without_autograd_and_refuses_training() -> None:
         optimized.train()
 
 
+CASTS = {
+    ".double()": lambda module: module.double(),
+    ".half()": lambda module: module.half(),
+    ".bfloat16()": lambda module: module.bfloat16(),
+    ".to(torch.float64)": lambda module: module.to(torch.float64),
+    ".to('cpu', torch.float16)": lambda module: module.to("cpu", torch.float16),
+    ".type(torch.float64)": lambda module: module.type(torch.float64),
+}
+ADVICE = {".half()": "precision='fp16'", ".bfloat16()": "precision='bf16'", ".to('cpu', torch.float16)": "precision='fp16'"}
+
+
+@pytest.mark.parametrize("cast", CASTS)
+def test_a_dtype_cast_of_an_optimized_module_is_refused_and_leaves_it_working(cast: str) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval(), torch.randn(3, 4)
+    fast = graphopt.optimize(model, x)
+    advice = ADVICE.get(cast, r"graphopt.optimize\(model.to\(torch.float64\), inputs in float64\)")
+    with pytest.raises(graphopt.ModeSwitchError, match=rf"would cast this optimized module's float32 parameters and buffers to .*{advice}"):
+        CASTS[cast](fast)
+    assert {t.dtype for t in fast.parameters()} == {torch.float32}
+    torch.testing.assert_close(fast(x), model(x))
+
+
+def test_casts_that_change_no_dtype_and_device_moves_keep_working() -> None:
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval(), torch.randn(3, 4)
+    fast = graphopt.optimize(model, x)
+    for keep in (lambda m: m.to("cpu"), lambda m: m.to(torch.device("cpu")), lambda m: m.to(torch.float32), lambda m: m.float(), lambda m: m.cpu()):
+        assert keep(fast) is fast
+        torch.testing.assert_close(fast(x), model(x))
+    wide = graphopt.optimize(copy.deepcopy(model).double(), x.double())  # a module optimized in float64: .float() would change it
+    with pytest.raises(graphopt.ModeSwitchError, match=r".float\(\) would cast this optimized module's float64 parameters and buffers to float32"):
+        wide.float()
+    assert wide.double() is wide
+
+
 def test_inference_outputs_can_be_training_targets_with_no_grad() -> None:
     teacher = graphopt.optimize(resnet().eval(), resnet_inputs(2))
     teacher.inference_mode = False

@@ -29,7 +29,7 @@ LAYERS = {
     "ops": ("graphopt.ops",),
     "foundations": (
         "graphopt.verify", "graphopt.inputs", "graphopt.dynamic", "graphopt.report", "graphopt.diff", "graphopt.drawing", "graphopt.browser", "graphopt.checkpoint", "graphopt.errors",
-        "graphopt.timing", "graphopt.prefetch", "graphopt.progress", "graphopt.models",
+        "graphopt.timing", "graphopt.prefetch", "graphopt.progress", "graphopt.quiet", "graphopt.models",
     ),
 }  # fmt: skip
 

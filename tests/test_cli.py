@@ -8,6 +8,7 @@ No test measures time: the demo's latency measurement is replaced by a stub.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -447,3 +448,218 @@ def test_optimize_in_bf16_adds_the_precision_pass(capsys: pytest.CaptureFixture[
     expected.insert(expected.index("use_global_pool_kernel"), "use_low_precision")  # the pool kernel choice needs the final dtype
     assert list(table_rows(out)) == expected
     assert "of conv/linear/matmul FLOPs in low precision" in out
+
+
+# --------------------------------------------------------------------------- int8: --precision int8 --calibration SOURCE
+
+TINY_CNN = f"{__name__}:tiny_cnn"
+TINY_INPUT = "4x1x8x8"
+
+
+def tiny_cnn() -> torch.nn.Module:
+    """A digits-sized CNN: one conv and one linear, the two layers int8 quantizes."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 10))
+
+
+def calibration_images(count: int = 3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 1, 8, 8, generator=generator) for _ in range(count)]
+
+
+def calibration_list() -> list[torch.Tensor]:
+    """A ``--calibration MODULE:FUNCTION`` returning its batches."""
+    return calibration_images()
+
+
+def calibration_that_fails() -> list[torch.Tensor]:
+    raise ValueError("the dataset is not mounted")
+
+
+def calibration_generator_that_fails():
+    yield calibration_images()[0]
+    raise OSError("batch 2 is unreadable")
+
+
+def calibration_returning_a_tensor() -> torch.Tensor:
+    return calibration_images()[0]
+
+
+def calibration_returning_nothing() -> list[torch.Tensor]:
+    return []
+
+
+GENERATOR_FILE = """
+import torch
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        yield torch.randn(4, 1, 8, 8, generator=generator), torch.zeros(4, dtype=torch.int64)  # (inputs, labels), as a DataLoader gives
+"""
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling it creates ``marker``: what ``torch.load(weights_only=False)`` of a hostile file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def same_batches(given: list[Any], expected: list[Any]) -> bool:
+    """Whether two lists of batches hold the same structures and tensor values."""
+    return len(given) == len(expected) and all(
+        torch.utils._pytree.tree_structure(a) == torch.utils._pytree.tree_structure(b)
+        and all(torch.equal(x, y) for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b), strict=True))
+        for a, b in zip(given, expected)
+    )
+
+
+def calibration_folder(tmp_path: Path) -> tuple[str, list[Any]]:
+    """A folder of .pt files, one batch each, in each form a batch may take: a tensor, (inputs, labels), forward()'s keywords."""
+    images = calibration_images()
+    batches = [images[0], (images[1], torch.zeros(4, dtype=torch.int64)), {"input": images[2]}]
+    for index, batch in enumerate(batches):
+        torch.save(batch, tmp_path / f"batch_{index}.pt")
+    (tmp_path / "notes.txt").write_text("not a batch: only .pt files are read")
+    return str(tmp_path), batches
+
+
+def calibration_file(tmp_path: Path) -> tuple[str, list[Any]]:
+    torch.save(calibration_images(), tmp_path / "batches.pt")
+    return str(tmp_path / "batches.pt"), calibration_images()
+
+
+def calibration_module_function(tmp_path: Path) -> tuple[str, list[Any]]:
+    return f"{__name__}:calibration_list", calibration_images()
+
+
+def calibration_file_generator(tmp_path: Path) -> tuple[str, list[Any]]:
+    (tmp_path / "calibration_data.py").write_text(GENERATOR_FILE)
+    labels = torch.zeros(4, dtype=torch.int64)
+    return f"{tmp_path}/calibration_data.py:batches", [(images, labels) for images in calibration_images()]
+
+
+@pytest.fixture
+def int8_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test times anything: int8 'measures' 2x faster than float32 (as on a CPU with VNNI), so the layers stay in int8."""
+    quantize = importlib.import_module("graphopt.passes.quantize_int8")  # the package attribute is the pass function
+
+    def twice_as_fast(baseline: Callable[[], Any], candidate: Callable[[], Any], budget_s: float) -> tuple[float, float]:
+        baseline()
+        candidate()
+        return 2.0, 1.0
+
+    monkeypatch.setattr(quantize, "compare_latency", twice_as_fast)
+
+
+@pytest.fixture
+def calibration_given(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ``calibration`` each call of optimize from the CLI received (the call itself runs)."""
+    received: list[Any] = []
+    real_optimize = cli.optimize
+
+    def spying_optimize(*args: Any, **kwargs: Any) -> Any:
+        received.append(kwargs["calibration"])
+        return real_optimize(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "optimize", spying_optimize)
+    return received
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="int8 runs on oneDNN's kernels")
+@pytest.mark.parametrize(
+    "source",
+    [calibration_folder, calibration_file, calibration_module_function, calibration_file_generator],
+    ids=["folder_of_pt_files", "pt_file_of_a_list", "module_function", "file_py_generator"],
+)
+def test_optimize_in_int8_calibrated_from_each_kind_of_source(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, int8_measures_faster: None, calibration_given: list[Any], source: Callable[[Path], tuple[str, list[Any]]]
+) -> None:
+    reference, batches = source(tmp_path)
+    code, out, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--precision", "int8", "--calibration", reference, "--accuracy", "0.2")
+    assert code == 0, err
+    assert len(calibration_given) == 1 and same_batches(calibration_given[0], batches)
+    assert table_rows(out)["quantize_int8"][0] == "2"  # the conv and the linear
+    assert "2 of 2 convs/linears in int8" in out and "calibrated on 3 batches" in out and "accuracy=0.2" in out
+
+
+def test_int8_cannot_be_asked_for_without_a_flag_that_exists(capsys: pytest.CaptureFixture[str], tmp_path: Path, int8_measures_faster: None) -> None:
+    """`graphopt passes` and the error of --passes quantize_int8 name flags that exist, and following them works."""
+    _, out, _ = run(capsys, "passes")
+    assert "opt-in: --precision int8" in {line.split()[0]: line for line in out.splitlines()}["quantize_int8"]
+    code, _, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--passes", "use_onednn_kernels,quantize_int8")
+    assert code == 2 and "--precision int8 and --calibration" in err, err
+    reference, _ = calibration_file(tmp_path)
+    code, out, err = run(
+        capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--passes", "use_onednn_kernels,quantize_int8", "--precision", "int8",
+        "--calibration", reference, "--accuracy", "0.2",
+    )  # fmt: skip
+    assert code == 0, err
+    assert list(table_rows(out)) == ["use_onednn_kernels", "quantize_int8"]
+    assert table_rows(out)["quantize_int8"][0] == "1"  # the linear: without to_channels_last the conv stays off oneDNN
+
+
+def write_files(**contents: Any) -> Callable[[Path], None]:
+    """Writes each ``name=value`` into the test's folder with torch.save (bytes as they are)."""
+
+    def write(folder: Path) -> None:
+        for name, value in contents.items():
+            path = folder / name.replace("__", ".")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(value) if isinstance(value, bytes) else torch.save(value, path)
+
+    return write
+
+
+CALIBRATION_ERRORS = {
+    "no_calibration": (None, None, ["--precision int8 needs --calibration SOURCE", "a folder of .pt files", "MODULE:FUNCTION"]),
+    "missing_folder": (write_files(), "{tmp}/no_such_folder", ["--calibration", "no_such_folder: no such folder", "a .pt file holding a list"]),
+    "missing_file": (write_files(), "{tmp}/missing.pt", ["missing.pt: no such file", "a folder of .pt files"]),
+    "empty_folder": (write_files(), "{tmp}", ["the folder holds no .pt file", "torch.save(batch, "]),
+    "file_of_one_tensor": (write_files(one__pt=torch.randn(4, 1, 8, 8)), "{tmp}/one.pt", ["one.pt holds one Tensor, not a list of batches", "torch.save([batch, ...], path)"]),
+    "file_of_an_empty_list": (write_files(none__pt=[]), "{tmp}/none.pt", ["none.pt holds an empty list, not a list of batches"]),
+    "file_of_strings": (write_files(words__pt=["a", "b"]), "{tmp}/words.pt", ["words.pt item 0 holds one str, not a batch", "a batch is a tensor, or a tuple/list/dict of tensors"]),
+    "folder_file_not_a_batch": (write_files(batch_0__pt=torch.randn(4, 1, 8, 8), batch_1__pt=3), "{tmp}", ["batch_1.pt holds one int, not a batch"]),
+    "not_a_torch_file": (write_files(text__pt=b"hello"), "{tmp}/text.pt", ["cannot read", "text.pt as a torch.save file"]),
+    "batch_of_wrong_rank": (write_files(flat__pt=[torch.randn(4, 64)]), "{tmp}/flat.pt", ["calibration batch 0 holds", "numbers of dimensions"]),
+    "function_fails": (None, f"{__name__}:calibration_that_fails", ["calibration_that_fails() failed (ValueError: the dataset is not mounted)"]),
+    "generator_fails": (None, f"{__name__}:calibration_generator_that_fails", ["calibration_generator_that_fails() failed (OSError: batch 2 is unreadable)"]),
+    "function_returns_a_tensor": (None, f"{__name__}:calibration_returning_a_tensor", ["returned one Tensor", "return or yield the batches"]),
+    "function_returns_nothing": (None, f"{__name__}:calibration_returning_nothing", ["calibration_returning_nothing() gave no batch"]),
+    "function_misspelt": (None, f"{__name__}:calibration_lst", ["--calibration: module", "no attribute 'calibration_lst'", "did you mean", "calibration_list"]),
+    "not_a_function": (None, f"{__name__}:TINY_INPUT", ["TINY_INPUT is a str: name a function that returns or yields batches"]),
+    "missing_python_file": (None, "{tmp}/data.py:batches", ["--calibration:", "data.py is not a file"]),
+}
+
+
+@pytest.mark.parametrize(("setup", "source", "fragments"), list(CALIBRATION_ERRORS.values()), ids=list(CALIBRATION_ERRORS))
+def test_calibration_errors_say_what_to_give(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, setup: Callable[[Path], None] | None, source: str | None, fragments: list[str]
+) -> None:
+    if setup is not None:
+        setup(tmp_path)
+    calibration = [] if source is None else ["--calibration", source.format(tmp=tmp_path)]
+    code, out, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--precision", "int8", *calibration)
+    assert code == 2 and out == ""
+    assert err.startswith("graphopt: error: ") and err.count("\n") == 1, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_calibration_files_never_run_code(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    marker = tmp_path / "code_ran"
+    torch.save([RunsCodeWhenUnpickled(marker)], tmp_path / "hostile.pt")
+    code, _, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--precision", "int8", "--calibration", str(tmp_path / "hostile.pt"))
+    assert not marker.exists(), "loading the calibration file ran code from it"
+    assert code == 2 and "hostile.pt holds objects other than tensors, which graphopt does not load" in err, err
+
+
+def test_calibration_without_int8_or_tune_is_refused_in_the_command_line_s_words(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    reference, _ = calibration_file(tmp_path)
+    code, _, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--calibration", reference)
+    assert code == 2 and "--calibration is for --precision int8 (or --tune" in err, err

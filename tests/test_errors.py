@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,33 @@ def test_unknown_pass_name_suggests_the_close_one(option: str) -> None:
     message = str(info.value)
     assert f"unknown pass 'fold_conv_nb' in {option}=" in message and "Did you mean 'fold_conv_bn'?" in message
     assert "graphopt.list_passes()" in message
+
+
+def test_a_misspelt_option_suggests_the_close_one() -> None:
+    with pytest.raises(graphopt.InvalidOptionError, match=r"optimize\(\) takes no option 'precison'; 'precison': did you mean 'precision'\?") as error:
+        graphopt.optimize(model(), inputs(), precison="bf16")
+    assert isinstance(error.value, TypeError)  # what Python raises for an unknown keyword: handlers of it keep working
+    with pytest.raises(graphopt.InvalidOptionError, match=r"save\(\) takes no option 'overwrit'; 'overwrit': did you mean 'overwrite'\?"):
+        graphopt.save(None, "model.pt2", overwrit=True)  # every public call, before anything runs
+
+
+def test_graphopts_warnings_point_at_the_callers_line() -> None:
+    """The option check and the lock are one wrapper: a warning's stacklevel lands on the line that called optimize."""
+
+    class Talks(nn.Module):
+        def forward(self, x):
+            print("called")  # a side effect graphopt warns about
+            return x * 2
+
+    with pytest.warns(graphopt.SideEffectWarning) as caught:
+        graphopt.optimize(Talks().eval(), (torch.randn(2, 3),))
+    assert {Path(warning.filename).name for warning in caught} == {Path(__file__).name}
+
+
+@pytest.mark.parametrize("options", [{"accuracy": 3e-2}, {"accuracy": 3e-2, "precision": "bf16"}])
+def test_accuracy_without_tune_or_int8_is_refused_not_ignored(options) -> None:
+    with pytest.raises(graphopt.InvalidOptionError, match=r"accuracy=0.03 applies with tune=True .* or precision='int8'"):
+        graphopt.optimize(model(), inputs(), **options)
 
 
 def test_pass_names_must_be_a_list() -> None:

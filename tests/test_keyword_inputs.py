@@ -193,3 +193,57 @@ def test_export_onnx_takes_keyword_inputs(tmp_path) -> None:
     types = torch.randint(0, 2, (4, 6))
     report = graphopt.export_onnx(Encoder().eval(), {"input_ids": batch(4)["input_ids"], "token_type_ids": types}, tmp_path / "encoder.onnx")
     assert report.batch_sizes == [4, 5] and report.max_error < 1e-5
+
+
+class CachedEncoder(Encoder):
+    """GPT-2's parameter order: a cache between the ids and the mask, and ``**kwargs``, so a positional mask lands in the cache."""
+
+    def forward(self, input_ids, cache=None, attention_mask=None, token_type_ids=None, **kwargs):
+        return super().forward(input_ids, attention_mask, token_type_ids)
+
+
+def assert_short_and_without_values(error: pytest.ExceptionInfo) -> None:
+    message = str(error.value)
+    assert "tensor(" not in message and "forward(input_ids" not in message, message  # tensors described, not printed; no copy of the signature
+    assert len(message) < 500, message
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_misspelt_keyword_at_call_time_gets_the_close_name(frontend: str) -> None:
+    for model in (Encoder().eval(), CachedEncoder().eval()):
+        fast = graphopt.optimize(model, batch(4), frontend=frontend)
+        ids, mask = batch(4).values()
+        with pytest.raises(graphopt.InputMismatchError, match=r"no parameter named 'attention_maks'; 'attention_maks': did you mean 'attention_mask'\?.*It takes input_ids, attention_mask") as error:
+            fast(input_ids=ids, attention_maks=mask)
+        assert_short_and_without_values(error)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_positional_call_of_inputs_optimized_by_name_says_to_name_them(frontend: str) -> None:
+    model = CachedEncoder().eval()
+    fast = graphopt.optimize(model, batch(4), frontend=frontend)
+    ids, mask = batch(3, seed=1).values()
+    by_name = r"fast\(input_ids=\.\.\., attention_mask=\.\.\.\)"
+    with pytest.raises(graphopt.InputMismatchError, match=rf"argument 2 of the call, Tensor\[3, 6\] float32 cpu, lands by position on forward\(\)'s parameter 'cache'.*Pass the inputs by name: {by_name}") as error:
+        fast(ids, mask)
+    assert_short_and_without_values(error)
+    with pytest.raises(graphopt.InputMismatchError, match=rf"attention_mask was left out.*all inputs by name: {by_name}") as error:
+        fast(ids)
+    assert_short_and_without_values(error)
+    torch.testing.assert_close(fast(input_ids=ids, attention_mask=mask), model(input_ids=ids, attention_mask=mask))  # the advice works
+
+
+def test_gpt2_called_by_position_or_with_a_misspelt_name_gets_the_fix() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0, eos_token_id=0, use_cache=False)
+    model = transformers.GPT2Model(config).eval()
+    ids, mask = torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    with pytest.raises(graphopt.InputMismatchError, match=r"did you mean 'attention_mask'\?") as error:
+        fast(input_ids=ids, attention_maks=mask)
+    assert_short_and_without_values(error)
+    for call in (lambda: fast(ids, mask), lambda: fast(ids)):
+        with pytest.raises(graphopt.InputMismatchError, match=r"by name: fast\(input_ids=\.\.\., attention_mask=\.\.\.\)") as error:
+            call()
+        assert_short_and_without_values(error)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks() -> None:
@@ -27,3 +31,19 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         pages = [output["data"]["text/html"] for cell in notebook.cells for output in cell.get("outputs", []) if "text/html" in output.get("data", {})]
         drawn = [page for page in pages if '<svg xmlns="http://www.w3.org/2000/svg" class="gd"' in page]
         assert drawn and '<g class="node removed" data-name="stem_bn">' in drawn[0] and "removed by fold_conv_bn" in drawn[0]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize(("uid", "root_option"), [("0", " --allow-root"), ("1000", "")])
+def test_make_notebooks_allows_root_only_as_root(uid: str, root_option: str, tmp_path: Path) -> None:
+    """Jupyter refuses to start as root without --allow-root; `make -n` prints the commands and runs none (nothing is
+    installed), and a stand-in `id` first on PATH plays root or a user, whoever runs the tests."""
+    fake_id = tmp_path / "id"
+    fake_id.write_text(f"#!/bin/sh\necho {uid}\n")
+    fake_id.chmod(0o755)
+    environment = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    printed = subprocess.run(
+        ["make", "-n", "notebooks", "JUPYTER_ARGS=--no-browser --ip=0.0.0.0"], cwd=ROOT, env=environment, capture_output=True, text=True, check=True
+    ).stdout
+    launch = [" ".join(line.split()) for line in printed.splitlines() if "jupyter lab" in line]
+    assert launch == [f".venv/bin/jupyter lab notebooks/{root_option} --no-browser --ip=0.0.0.0"]

@@ -12,21 +12,28 @@ traceback points at README lines.
 Every block runs, on a CPU-only machine too: an example for a GPU picks its device with
 ``torch.cuda.is_available()``.
 
+The Options section lists every parameter of `graphopt.optimize` (signature and table), and
+every ``graphopt optimize`` command of the README parses.
+
 Slow: the snippets train in fp16, tune (with a 20 s budget), compile with
 Inductor, optimize a full-size ResNet-50 and export to ONNX: 2-4 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import io
 import re
+import shlex
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import graphopt
 from graphopt import tuning
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -131,3 +138,42 @@ def test_the_python_snippets_run_in_order_in_one_session(tmp_path: Path, monkeyp
     assert ran >= MIN_BLOCKS
     # the sample report is the current one: the same header lines and passes, in order
     assert skeleton(printed[0].splitlines()) == skeleton(sample_report()), printed[0]
+
+
+def options_section() -> list[str]:
+    """The lines of the README's "### Options" section."""
+    lines = README.read_text().splitlines()
+    start = lines.index("### Options")
+    end = next(number for number in range(start + 1, len(lines)) if lines[number].startswith("#"))
+    return lines[start + 1 : end]
+
+
+def test_the_options_section_lists_every_parameter_of_optimize() -> None:
+    """The signature line spells graphopt.optimize's parameters, kinds and defaults; the table has a row for each."""
+    parameters = inspect.signature(graphopt.optimize).parameters
+    line = next(line for line in options_section() if line.startswith("`graphopt.optimize("))
+    spelled = ast.parse("def " + line.strip("`").removeprefix("graphopt.") + ": pass").body[0].args  # type: ignore[attr-defined]
+    positional = [argument.arg for argument in spelled.args]
+    keyword_only = [argument.arg for argument in spelled.kwonlyargs]
+    expected_positional = [name for name, parameter in parameters.items() if parameter.kind != inspect.Parameter.KEYWORD_ONLY]
+    assert positional == expected_positional and keyword_only == [name for name in parameters if name not in expected_positional], line
+    defaults = dict(zip(positional[len(positional) - len(spelled.defaults) :], spelled.defaults, strict=True))
+    defaults |= {argument.arg: default for argument, default in zip(spelled.kwonlyargs, spelled.kw_defaults, strict=True) if default is not None}
+    assert {name: ast.literal_eval(default) for name, default in defaults.items()} == {
+        name: parameter.default for name, parameter in parameters.items() if parameter.default is not inspect.Parameter.empty
+    }, line
+
+    rows = {name: row for row in options_section() if row.startswith("| `") for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert set(rows) == set(parameters) - {"model"}, "the options table's rows and optimize's parameters differ"
+    assert '"int8"' in rows["precision"] and "int8" in rows["accuracy"]
+
+
+def test_the_command_line_section_shows_int8_in_commands_that_parse() -> None:
+    """Every `graphopt optimize` line of the README parses (options in [brackets] included), and one asks for int8."""
+    from graphopt.cli import build_parser
+
+    lines = README.read_text().splitlines()
+    commands = [line.split("#")[0].replace("[", "").replace("]", "") for line in lines if line.startswith("graphopt optimize ")]
+    for command in commands:
+        build_parser().parse_args(shlex.split(command)[1:])  # argparse exits (failing the test) on an unknown option or choice
+    assert any("--precision int8 --calibration" in command for command in commands)

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt import cli
-from graphopt.errors import InputMismatchError, LoadError, SaveError
+from graphopt.errors import ImportNotAllowedError, InputMismatchError, LoadError, SaveError
 from graphopt.report import Report
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
 from graphopt.verify import compare
@@ -126,11 +126,18 @@ LOAD_IN_A_FRESH_PROCESS = """
 import importlib.util, sys, torch, graphopt
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
 assert importlib.util.find_spec("tests") is None, "the test's models must not be importable here"
+refused = {}
+for name, load in {"load": lambda: graphopt.load("bert.pt2"), "torch.load": lambda: torch.load("bert.pickle")}.items():
+    try:
+        load()
+    except graphopt.LoadError as error:
+        refused[name] = str(error)
+import transformers  # a lazy module: transformers.modeling_outputs is imported when first used
 try:
     graphopt.load("bert.pt2")
 except graphopt.LoadError as error:
-    refused = str(error)
-import transformers.modeling_outputs  # what that error asks for: BERT's outputs are transformers classes
+    refused["load after import transformers"] = str(error)
+import transformers.modeling_outputs  # what those errors ask for: BERT's outputs are transformers classes
 calls = torch.load("calls.pt")
 results = {"refused": refused}
 for name, arguments in calls.items():
@@ -163,6 +170,8 @@ def round_trips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 warnings.simplefilter("ignore")  # verification notes on random weights
                 fast = graphopt.optimize(build().eval(), example, **options)
             graphopt.save(fast, folder / f"{name}.pt2")
+            if name == "bert":
+                torch.save(fast, folder / "bert.pickle")
             expected[name] = {"outputs": [torch.utils._pytree.tree_leaves(fast(*args)) for args in calls], "kernels": kernels(fast), "dynamic": fast.graphopt_report.dynamic, "module": fast}
     torch.save({name: calls for name, (_, _, calls, _) in CASES.items()}, folder / "calls.pt")
     (folder / "load.py").write_text(LOAD_IN_A_FRESH_PROCESS)
@@ -184,9 +193,34 @@ def test_a_saved_module_computes_the_same_in_a_fresh_process(name: str, round_tr
 
 
 def test_a_file_whose_outputs_are_library_classes_says_what_to_import(round_trips: dict[str, Any]) -> None:
-    assert round_trips["loaded"]["refused"] == (
-        "the module's inputs or outputs are classes of transformers.modeling_outputs, which torch must know to read bert.pt2: "
-        "run `import transformers.modeling_outputs` before graphopt.load"
+    """In a fresh process: the exact module to import (`import transformers` is not enough), and how to let load import it."""
+    classes = "takes or returns classes of transformers.modeling_outputs, which torch must know to read it: run `import transformers.modeling_outputs` before"
+    allow = (
+        ", or let graphopt.load import it: `graphopt.load(path, allow_import=True)` (command line: `graphopt run FILE --allow-import`). "
+        "Importing runs that module's code: allow it for files you trust."
+    )
+    lazy = " (`import transformers` alone does not import transformers.modeling_outputs)"
+    assert round_trips["loaded"]["refused"] == {
+        "load": f"the module in bert.pt2 {classes} graphopt.load{allow}",
+        "torch.load": f"the pickled module {classes} torch.load.",
+        "load after import transformers": f"the module in bert.pt2 {classes} graphopt.load{lazy}{allow}",
+    }
+
+
+def test_graphopt_run_runs_a_saved_bert_in_a_fresh_process_when_allowed_to_import(round_trips: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`graphopt run --allow-import` imports transformers.modeling_outputs itself; --input shapes take the file's dtype (int64)."""
+    command = [sys.executable, "-m", "graphopt.cli", "run", "bert.pt2", "--allow-import", "--input", "2x24", "--input", "2x24", "--rounds", "1"]
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=round_trips["folder"], env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "inputs [[2, 24], [2, 24]] -> outputs [[2, 24, 64], [2, 64]]" in done.stdout
+    # without the flag, here, where transformers.modeling_outputs is imported already: as in a fresh process
+    monkeypatch.delitem(sys.modules, "transformers.modeling_outputs")
+    assert cli.main(["run", str(round_trips["folder"] / "bert.pt2"), "--rounds", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"graphopt: error: the module in {round_trips['folder'] / 'bert.pt2'} takes or returns classes of transformers.modeling_outputs, "
+        "which torch must know to read it: add --allow-import to let graphopt import transformers.modeling_outputs (it runs that "
+        "module's code: allow it for files you trust)\n"
     )
 
 
@@ -435,6 +469,75 @@ def test_a_file_with_pickled_entries_is_refused_before_anything_is_unpickled(sav
     unsafe = rewritten(saved_file, tmp_path / "inputs.pt2", "data/sample_inputs/model.pt", lambda _: b"not a safe pickle")
     with pytest.raises(LoadError, match="holds pickled objects \\(data/sample_inputs/model.pt"):
         graphopt.load(unsafe)
+
+
+def naming_modules(source: Path, destination: Path, modules: Any) -> Path:
+    """A copy of the file whose metadata names ``modules`` as the modules of its input and output classes."""
+    return rewritten(source, destination, "extra/graphopt.json", lambda text: json.dumps({**json.loads(text), "container_modules": modules}).encode())
+
+
+@pytest.fixture
+def importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Modules on sys.path, not imported yet: one that records its import, one that fails; forgotten afterwards."""
+    folder = tmp_path / "modules"
+    folder.mkdir()
+    (folder / "graphopt_test_outputs.py").write_text("IMPORTED = True\n")
+    (folder / "graphopt_test_broken.py").write_text("raise RuntimeError('broken on import')\n")
+    monkeypatch.syspath_prepend(str(folder))
+    yield {"records": "graphopt_test_outputs", "fails": "graphopt_test_broken"}
+    for name in ("graphopt_test_outputs", "graphopt_test_broken"):
+        sys.modules.pop(name, None)
+
+
+def test_load_imports_the_modules_a_file_names_only_when_allowed(saved_file: Path, tmp_path: Path, importable: dict[str, str]) -> None:
+    path = naming_modules(saved_file, tmp_path / "named.pt2", [importable["records"]])
+    advice = r"run `import graphopt_test_outputs` before graphopt.load, or .*graphopt.load\(path, allow_import=True\).*graphopt run FILE --allow-import"
+    with pytest.raises(ImportNotAllowedError, match=f"takes or returns classes of graphopt_test_outputs, .*{advice}") as refused:
+        graphopt.load(path)
+    assert refused.value.modules == ["graphopt_test_outputs"] and "graphopt_test_outputs" not in sys.modules
+    loaded = graphopt.load(path, allow_import=True)
+    assert sys.modules["graphopt_test_outputs"].IMPORTED and loaded(*images(2)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [["../evil"], ["/tmp/evil.py"], ["os.system('touch PWNED')"], ["os; import shutil"], ["class.path"], ["\uff54ransformers"], ["json."], "json", [3]],
+    ids=["relative path", "absolute path", "call", "statement", "keyword", "not ascii", "trailing dot", "not a list", "not a name"],
+)
+def test_a_file_naming_anything_but_module_names_to_import_is_refused(modules: Any, saved_file: Path, tmp_path: Path) -> None:
+    path = naming_modules(saved_file, tmp_path / "named.pt2", modules)
+    for allow_import in (False, True):
+        with pytest.raises(LoadError, match="as modules to import, which graphopt.save never writes.*Load only files you saved") as refused:
+            graphopt.load(path, allow_import=allow_import)
+        assert type(refused.value) is LoadError and "`import" not in str(refused.value)  # the file writes no command to run
+
+
+def test_load_imports_only_installed_modules_and_only_after_every_other_check(saved_file: Path, tmp_path: Path, importable: dict[str, str]) -> None:
+    missing = naming_modules(saved_file, tmp_path / "missing.pt2", ["no_such_package_for_graphopt.outputs"])
+    with pytest.raises(LoadError, match="classes of no_such_package_for_graphopt.outputs, which is not installed here: install the library"):
+        graphopt.load(missing, allow_import=True)
+    broken = naming_modules(saved_file, tmp_path / "broken.pt2", [importable["fails"]])
+    with pytest.raises(LoadError, match=r"importing graphopt_test_broken, which the module in .*broken.pt2 needs, failed \(RuntimeError: broken on import\)"):
+        graphopt.load(broken, allow_import=True)
+
+    def pickled(text: bytes) -> bytes:
+        config = json.loads(text)
+        config["config"][next(iter(config["config"]))]["use_pickle"] = True
+        return json.dumps(config).encode()
+
+    named = naming_modules(saved_file, tmp_path / "named.pt2", [importable["records"]])
+    edited = rewritten(named, tmp_path / "pickled.pt2", "data/weights/model_weights_config.json", pickled)
+    with pytest.raises(LoadError, match="holds pickled objects"):
+        graphopt.load(edited, allow_import=True)
+    assert "graphopt_test_outputs" not in sys.modules  # a file refused imports nothing
+
+
+def test_run_makes_inputs_of_the_files_dtypes_with_integers_0_or_1(round_trips: dict[str, Any]) -> None:
+    """0 and 1 are valid token ids, masks and token types whatever the model's vocabulary; a shape alone takes the file's dtype."""
+    signature = round_trips["expected"]["tokens-fx"]["module"].input_signature  # (input_ids int64, attention_mask int64)
+    ids, mask, extra = cli._run_inputs(["64x32", "64x32:float32", "3x4"], signature, torch.Generator().manual_seed(0))
+    assert ids.dtype == torch.int64 and set(ids.unique().tolist()) == {0, 1}
+    assert mask.dtype == torch.float32 and extra.dtype == torch.float32  # a dtype given wins; beyond the file's inputs, float32
 
 
 @onednn

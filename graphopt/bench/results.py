@@ -10,6 +10,11 @@ other in the ``low`` class (bf16/fp16 somewhere). Each class is judged on its ow
 best peer against graphopt's public default for it (the default call; ``precision=``),
 and each variant's achieved FLOP/s against the machine's matrix-multiply rate in the
 class's precision (the roofline fraction).
+
+Implausible figures are flagged, never hidden: a CPU fp32 matrix-multiply rate below
+`PLAUSIBLE_CPU_FP32_GFLOPS_PER_THREAD` per torch thread (what a loaded machine measures),
+and a roofline fraction over 100% (faster than the machine's own matrix products). Each
+carries its reason in the JSON (``implausible``) and the markdown table.
 """
 
 from __future__ import annotations
@@ -24,6 +29,35 @@ from typing import Any
 FOREIGN_CPU_WARNING = 0.25  # cores kept busy by other processes while timing, on average
 EXACT_CLASS_ERROR = 1e-4  # a larger max error (relative to the output's scale) puts a variant in the low-precision class
 CLASSES = ("exact", "low", "int8")  # int8: the variants that quantize to int8, whatever their error
+# Any x86-64 or Arm server core of the last decade multiplies fp32 matrices at 10+ GFLOP/s per thread, even on
+# --quick's small product; a measured rate below this means other processes held the cores while it was measured.
+PLAUSIBLE_CPU_FP32_GFLOPS_PER_THREAD = 4.0
+LOADED_MACHINE = "usually the machine was loaded while it was measured: rerun on a quiet machine"
+
+
+def implausible_rate(machine: dict[str, Any]) -> str | None:
+    """Why the machine's measured fp32 matrix-multiply rate cannot be right (CPU only), or None when it is plausible."""
+    fp32 = (machine.get("matmul_gflops") or {}).get("fp32")
+    if machine.get("device") != "cpu" or fp32 is None:
+        return None
+    threads = machine.get("torch_threads") or 1
+    floor = PLAUSIBLE_CPU_FP32_GFLOPS_PER_THREAD * threads
+    if fp32 >= floor:
+        return None
+    return (
+        f"the fp32 matrix-multiply rate of {fp32:.1f} GFLOP/s on {threads} torch thread(s) is far below the {floor:.0f} "
+        f"GFLOP/s any current CPU reaches, so every roofline fraction is inflated; {LOADED_MACHINE}"
+    )
+
+
+def implausible_roofline(fraction: float | None) -> str | None:
+    """Why a roofline fraction cannot be right (over 100%: faster than the machine's own matrix products), or None."""
+    if fraction is None or fraction <= 1.0:
+        return None
+    return (
+        f"roofline {fraction:.0%} is over 100%: faster than the machine's measured matrix-multiply rate, so that rate "
+        f"was too low; {LOADED_MACHINE}"
+    )
 
 
 @dataclass
@@ -150,11 +184,19 @@ class ModelResult:
             "best_graphopt": ours.key if ours else None,
             "graphopt_vs_best_peer": self.graphopt_vs_best_peer,
             "graphopt_vs_each_peer": self.graphopt_vs_each_peer(),
-            "variants": [
-                {**v.to_dict(), "gflops": v.gflops(self.flops), "roofline_fraction": self.roofline(v, rates or {}, low_precision)}
-                for v in self.variants
-            ],
+            "variants": [self._variant_dict(v, rates or {}, low_precision) for v in self.variants],
         }
+
+    def _variant_dict(self, variant: VariantResult, rates: dict[str, float], low_precision: str) -> dict[str, Any]:
+        roofline = self.roofline(variant, rates, low_precision)
+        return {
+            **variant.to_dict(), "gflops": variant.gflops(self.flops), "roofline_fraction": roofline, "implausible": implausible_roofline(roofline),
+        }  # fmt: skip
+
+    def implausible(self, rates: dict[str, float], low_precision: str) -> list[str]:
+        """The implausible figures of this model's variants, one line each with the reason."""
+        problems = ((v, implausible_roofline(self.roofline(v, rates, low_precision))) for v in self.variants)
+        return [f"{self.name}: {v.label}: {problem}" for v, problem in problems if problem]
 
 
 @dataclass
@@ -171,6 +213,13 @@ class BenchResult:
     def all_warnings(self) -> list[str]:
         return self.warnings + [f"{model.name}: {warning}" for model in self.models for warning in model.warnings]
 
+    def implausible(self) -> list[str]:
+        """Every implausible figure of the run (the machine's rate, then each variant's roofline), with the reason."""
+        rate = implausible_rate(self.machine)
+        return ([f"matrix-multiply rate: {rate}"] if rate else []) + [
+            line for model in self.models for line in model.implausible(self.rates, self.low_precision)
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "command": self.command,
@@ -178,6 +227,7 @@ class BenchResult:
             "settings": self.settings,
             "memory_method": self.memory_method,
             "warnings": self.all_warnings(),
+            "implausible": self.implausible(),
             "models": [model.to_dict(self.rates, self.low_precision) for model in self.models],
         }
 
@@ -213,8 +263,10 @@ def to_markdown(result: BenchResult) -> str:
     if rates:
         measured = ", ".join(f"{name} {gflops:.0f} GFLOP/s" for name, gflops in rates.items())
         size = machine.get("matmul_size")
-        lines += [f"Matrix-multiply rate on these threads ({size}x{size} torch.mm): {measured}.", ""]
+        flag = " (implausible: see below)" if implausible_rate(machine) else ""
+        lines += [f"Matrix-multiply rate on these threads ({size}x{size} torch.mm): {measured}{flag}.", ""]
     lines += [f"> **warning:** {warning}" for warning in result.all_warnings()]
+    lines += [f"> **implausible:** {problem}" for problem in result.implausible()]
     summary = [model for model in result.models if model.error is None]
     if summary:
         lines += ["", "| model | best peer | best graphopt | graphopt vs best peer |", "|---|---|---|---|"]
@@ -242,7 +294,7 @@ def to_markdown(result: BenchResult) -> str:
             lines.append(
                 f"| {v.label} | {_number(v.median_ms, '.2f', ' ms')} | {_number(v.ratio, '.2f', 'x')} | "
                 f"{_number(v.setup_s, '.2f', ' s')} | {_number(v.peak_memory_mb, '.1f', ' MiB')} | {_number(v.max_error, '.1e')} | "
-                f"{v.precision_class or '—'} | {_number(v.gflops(model.flops), '.1f')} ({_number(model.roofline(v, rates, result.low_precision), '.0%')}) |"
+                f"{v.precision_class or '—'} | {_number(v.gflops(model.flops), '.1f')} ({_roofline(model.roofline(v, rates, result.low_precision))}) |"
             )
     lines += ["", f"Peak memory: {result.memory_method}.", ""]
     return "\n".join(lines)
@@ -261,7 +313,7 @@ def _class_table(models: list[ModelResult], rates: dict[str, float], low_precisi
             def label(key: str | None) -> str:
                 return labels[key] if key else "—"
 
-            roofline = " / ".join(_number(summary[f"roofline_{which}"], ".0%") for which in ("default", "fastest", "best_peer"))
+            roofline = " / ".join(_roofline(summary[f"roofline_{which}"]) for which in ("default", "fastest", "best_peer"))
             rows.append(
                 f"| {model.name} | {precision_class} | {label(summary['best_peer'])} | {label(summary['graphopt_default'])} | "
                 f"{_number(summary['default_vs_best_peer'], '.2f', 'x')} | {label(summary['fastest_graphopt'])} | "
@@ -299,12 +351,36 @@ def _each_peer_table(models: list[ModelResult]) -> list[str]:
     return lines
 
 
+def _roofline(fraction: float | None) -> str:
+    """A roofline fraction as a percentage, marked when it is implausible (the reason is listed above the tables)."""
+    return _number(fraction, ".0%") + (" implausible" if implausible_roofline(fraction) else "")
+
+
 def _best(variant: VariantResult | None) -> str:
     return "—" if variant is None else f"{variant.label} ({_number(variant.ratio, '.2f', 'x')})"
 
 
 def write_json(result: BenchResult, path: Path) -> None:
     path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+# Tableau's ten qualitative colours (matplotlib's "tab:" names), told apart in print and by most colour-blind readers.
+BAR_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+BAR_HATCHES = ("/", ".", "x", "\\", "o", "+", "-", "|", "*")  # one character each: repeated, it only gets denser
+
+
+def bar_styles(count: int) -> list[tuple[str, str]]:
+    """A distinct (colour, hatch) pair for each of ``count`` bars: the ten colours plain, then again with each hatch
+    (drawn twice for a visible density), then with denser hatches: no two bars look alike however many there are."""
+    styles = []
+    for index in range(count):
+        shade, colour = divmod(index, len(BAR_COLOURS))
+        if shade == 0:
+            styles.append((BAR_COLOURS[colour], ""))
+            continue
+        density, hatch = divmod(shade - 1, len(BAR_HATCHES))
+        styles.append((BAR_COLOURS[colour], BAR_HATCHES[hatch] * (density + 2)))
+    return styles
 
 
 def write_plot(result: BenchResult, path: Path) -> str | None:
@@ -322,13 +398,13 @@ def write_plot(result: BenchResult, path: Path) -> str | None:
         return "no plot: no model was timed"
     figure, axes = plt.subplots(figsize=(max(9.0, 4.0 + 0.3 * len(labels) * len(models)), 4.8))
     width = 0.8 / len(labels)
-    for index, label in enumerate(labels):
+    for index, (label, (colour, hatch)) in enumerate(zip(labels, bar_styles(len(labels)), strict=True)):
         ratios = []
         for model in models:
             found = next((v for v in model.variants if v.label == label), None)
             ratios.append(found.ratio if found is not None and found.ratio is not None else float("nan"))  # no bar
         positions = [m + (index - (len(labels) - 1) / 2) * width for m in range(len(models))]
-        axes.bar(positions, ratios, width, label=label)
+        axes.bar(positions, ratios, width, label=label, color=colour, hatch=hatch, edgecolor="white", linewidth=0.5)
     axes.set_yscale("log")  # ratios: 2x faster and 2x slower lie equally far from 1
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(models)), [model.name for model in models])

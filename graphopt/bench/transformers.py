@@ -25,6 +25,7 @@ from torch import nn
 
 import graphopt
 from graphopt.errors import error_summary
+from graphopt.quiet import FOREIGN_LOG_MESSAGES, TORCHAO_IMPORT_MESSAGES, log_messages_dropped
 from graphopt.timing import interleaved_samples
 
 
@@ -50,12 +51,13 @@ def build(name: str, small: bool = False) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    if name == "bert-base":
-        sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if small else {}
-        return transformers.BertModel(transformers.BertConfig(**sizes)).eval()
-    if name == "gpt2-small":
-        sizes = dict(n_embd=32, n_layer=2, n_head=2) if small else {}
-        return transformers.GPT2Model(transformers.GPT2Config(use_cache=False, **sizes)).eval()
+    with log_messages_dropped(TORCHAO_IMPORT_MESSAGES):  # the model's module imports torchao, where it is installed
+        if name == "bert-base":
+            sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if small else {}
+            return transformers.BertModel(transformers.BertConfig(**sizes)).eval()
+        if name == "gpt2-small":
+            sizes = dict(n_embd=32, n_layer=2, n_head=2) if small else {}
+            return transformers.GPT2Model(transformers.GPT2Config(use_cache=False, **sizes)).eval()
     raise SystemExit(f"unknown model {name!r}: use {', '.join(MODELS)}")
 
 
@@ -74,7 +76,7 @@ def onnxruntime_runner(model: nn.Module, inputs: dict[str, torch.Tensor], workdi
     import onnxruntime
 
     path = workdir / "model.onnx"
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), log_messages_dropped(FOREIGN_LOG_MESSAGES):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)
     assert program is not None

@@ -42,6 +42,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt.pipeline import cpu_kernel_passes
+from graphopt.quiet import FOREIGN_LOG_MESSAGES, log_messages_dropped
 
 Runner = Callable[[], Any]
 
@@ -173,7 +174,7 @@ def _jit_freeze(setup: Setup) -> Runner:
 
 
 def _plain_onnx_export(model: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path) -> None:
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), log_messages_dropped(FOREIGN_LOG_MESSAGES):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(model, inputs, dynamo=True, verbose=False)
     if program is None:

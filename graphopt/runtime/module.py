@@ -2,7 +2,7 @@
 
 It owns the run-time side of an optimized model: the input guard (`InputSignature`),
 the autograd mode forward runs in (``torch.inference_mode`` unless the graph writes
-stored state), refusing mode switches that would compute wrongly, and checkpoints in the
+stored state), refusing mode switches and dtype casts that would compute wrongly, and checkpoints in the
 original model's keys (`graphopt.checkpoint`). It shares the graph's parameters and
 submodules directly, so ``state_dict()`` keys are the model's own.
 """
@@ -76,6 +76,9 @@ class OptimizedModule(nn.Module):
       module whose forward() reads ``self.training``, which symbolic_trace fixes in the
       graph (``graph_module.meta["graphopt_fixed_modes"]``): ``.train()/.eval()`` of the
       whole module raises, and a call after ``module.<submodule>.eval()`` does.
+    - ``.double()``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)`` and ``.type()`` raise
+      `ModeSwitchError` where they would change a stored tensor's dtype (the graph was optimized
+      and verified in its dtypes); ``.to(device)`` and casts that change nothing work as on any module.
     - Checkpoints: ``parameter_map`` says what became of each original key that a pass
       removed or rewrote; ``load_original_state_dict`` loads a checkpoint of the original
       model (re-applying the passes' changes); ``original_state_dict`` gives this
@@ -136,6 +139,56 @@ class OptimizedModule(nn.Module):
     def train(self, mode: bool = True) -> OptimizedModule:
         self.check_mode_switch(mode)
         return super().train(mode)
+
+    # Casts of the stored tensors: the graph's kernels, constants and verification are for the dtypes it was
+    # optimized in, so a cast would break later calls (or compute unverified). A move to another device, and a
+    # cast to the dtypes the module already has, go through.
+    def to(self, *args: Any, **kwargs: Any) -> OptimizedModule:
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]  # how nn.Module.to reads its arguments
+        if dtype is not None and (dtype.is_floating_point or dtype.is_complex):  # others: nn.Module.to says it takes none
+            self._check_cast(dtype, f".to({str(dtype)})", complex_too=True)
+        return super().to(*args, **kwargs)
+
+    def double(self) -> OptimizedModule:
+        self._check_cast(torch.float64, ".double()")
+        return super().double()
+
+    def float(self) -> OptimizedModule:
+        self._check_cast(torch.float32, ".float()")
+        return super().float()
+
+    def half(self) -> OptimizedModule:
+        self._check_cast(torch.float16, ".half()")
+        return super().half()
+
+    def bfloat16(self) -> OptimizedModule:
+        self._check_cast(torch.bfloat16, ".bfloat16()")
+        return super().bfloat16()
+
+    def type(self, dst_type: torch.dtype | str) -> OptimizedModule:
+        self._check_cast(torch.empty(0).type(dst_type).dtype, f".type({dst_type})", every_tensor=True)
+        return super().type(dst_type)
+
+    def _check_cast(self, dtype: torch.dtype, call: str, complex_too: bool = False, every_tensor: bool = False) -> None:
+        """Raise `ModeSwitchError` where ``call`` would cast a parameter or buffer to ``dtype`` (floating-point ones, as
+        nn.Module's casts do; ``complex_too``: complex ones too, as ``.to`` does; ``every_tensor``: all, as ``.type`` does)."""
+        tensors = [*self.parameters(), *self.buffers()]
+        cast = [t for t in tensors if every_tensor or t.is_floating_point() or (complex_too and t.is_complex())]
+        changed = sorted({str(t.dtype).removeprefix("torch.") for t in cast if t.dtype != dtype})
+        if not changed:
+            return
+        name = str(dtype).removeprefix("torch.")
+        instead = {torch.bfloat16: "precision='bf16'", torch.float16: "precision='fp16'"}.get(dtype)
+        how = (
+            f"optimize the original model with graphopt.optimize(model, inputs, {instead}) (convs, linears and attention in {name}, verified)"
+            if instead
+            else f"optimize the original model in {name}: graphopt.optimize(model.to({dtype}), inputs in {name})"
+        )
+        raise ModeSwitchError(
+            f"{call} would cast this optimized module's {', '.join(changed)} parameters and buffers to {name}, but its graph "
+            f"was optimized and verified for them as they are: later calls would fail or compute unverified. To run in {name}, "
+            f"{how}; keep this module as it is."
+        )
 
     def check_mode_switch(self, mode: bool) -> None:
         """Raise `ModeSwitchError` where this graph cannot compute in train mode ``mode`` (False: eval), and why."""

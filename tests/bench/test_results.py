@@ -1,0 +1,106 @@
+"""The benchmark's renderings on given numbers: implausible figures flagged with their reason, distinct bar styles.
+
+Results are built by hand (no model is run, nothing is timed), so the flags are checked on
+exact figures: a matrix-multiply rate a loaded machine measures, a roofline fraction over 100%.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from graphopt.bench.results import (
+    BenchResult,
+    ModelResult,
+    VariantResult,
+    bar_styles,
+    implausible_rate,
+    implausible_roofline,
+    to_markdown,
+    write_plot,
+)
+
+
+def machine(fp32_gflops: float, device: str = "cpu", threads: int = 2) -> dict[str, Any]:
+    return {
+        "cpu": "test CPU", "cores": 2, "torch_threads": threads, "device": device, "torch": "2", "onnxruntime": "1",
+        "matmul_size": 256, "matmul_gflops": {"fp32": fp32_gflops},
+    }  # fmt: skip
+
+
+def timed(key: str, role: str, median_ms: float) -> VariantResult:
+    """A variant timed at ``median_ms`` every round, with an exact output (the fp32 class)."""
+    return VariantResult(key, f"variant {key}", role, max_error=0.0, samples_ms=[median_ms] * 3, round_ratios=[1.0] * 3)
+
+
+def result_of(rate_gflops: float, flops: float, **machine_fields: Any) -> BenchResult:
+    """One model of ``flops`` per call, eager at 1 ms and a graphopt variant at 2 ms, on a machine of ``rate_gflops``."""
+    model = ModelResult("tiny", [[2, 3, 8, 8]], flops=flops, variants=[timed("eager", "baseline", 1.0), timed("graphopt", "graphopt", 2.0)])
+    return BenchResult("graphopt bench", machine(rate_gflops, **machine_fields), {"rounds": 3, "warmup": 1, "low_precision": "bf16"}, "RSS", [model])
+
+
+def test_a_cpu_matmul_rate_far_below_what_a_cpu_does_is_flagged_with_the_reason() -> None:
+    reason = implausible_rate(machine(1.0))  # what a loaded 2-core machine measured in issue 40
+    assert reason is not None and "1.0 GFLOP/s on 2 torch thread(s)" in reason and "loaded" in reason
+    assert implausible_rate(machine(60.0)) is None
+    assert implausible_rate(machine(1.0, threads=1)) is not None and implausible_rate(machine(5.0, threads=1)) is None
+    assert implausible_rate(machine(1.0, device="NVIDIA H200")) is None  # the floor is a CPU's
+
+
+def test_a_roofline_over_100_percent_is_flagged_and_one_below_is_not() -> None:
+    reason = implausible_roofline(16.55)
+    assert reason is not None and "roofline 1655% is over 100%" in reason and "loaded" in reason
+    assert implausible_roofline(1.0) is None and implausible_roofline(0.4) is None and implausible_roofline(None) is None
+
+
+def test_implausible_figures_are_marked_in_the_json_and_the_printed_table() -> None:
+    # 1.655e9 FLOP per call at 1 ms is 1655 GFLOP/s: 1655% of a 100 GFLOP/s machine for eager, 828% for graphopt
+    result = result_of(100.0, 1.655e9)
+    data = result.to_dict()
+    eager, ours = data["models"][0]["variants"]
+    assert eager["roofline_fraction"] == pytest.approx(16.55) and "roofline 1655% is over 100%" in eager["implausible"]
+    assert "roofline 828% is over 100%" in ours["implausible"]
+    assert data["implausible"] == [f"tiny: variant eager: {eager['implausible']}", f"tiny: variant graphopt: {ours['implausible']}"]
+    markdown = to_markdown(result)
+    assert "(1655% implausible) |" in markdown and "(828% implausible) |" in markdown
+    assert f"> **implausible:** tiny: variant eager: {eager['implausible']}" in markdown
+
+
+def test_a_low_machine_rate_is_marked_and_plausible_figures_are_not() -> None:
+    loaded = result_of(1.0, 1e6)  # 1 GFLOP/s machine; the variants reach 100% and 50% of it
+    data = loaded.to_dict()
+    assert data["implausible"] == [f"matrix-multiply rate: {implausible_rate(loaded.machine)}"]
+    assert [v["implausible"] for v in data["models"][0]["variants"]] == [None, None]
+    assert "fp32 1 GFLOP/s (implausible: see below)." in to_markdown(loaded)
+
+    quiet = result_of(100.0, 1e6)
+    assert quiet.to_dict()["implausible"] == []
+    assert "implausible" not in to_markdown(quiet)
+
+
+@pytest.mark.parametrize("count", [29, 250])
+def test_every_bar_gets_its_own_colour_and_hatch(count: int) -> None:
+    styles = bar_styles(count)
+    assert len(styles) == count and len(set(styles)) == count
+    assert len({colour for colour, _ in styles[:10]}) == 10  # the first ten differ by colour alone
+
+
+def test_the_plot_draws_each_variant_in_its_own_style(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib comes with graphopt[bench] (installed by make test/bench)")
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[Any, Any]] = []
+    real_bar = Axes.bar
+
+    def recording_bar(self: Axes, *args: Any, **kwargs: Any) -> Any:
+        drawn.append((kwargs.get("color"), kwargs.get("hatch")))
+        return real_bar(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", recording_bar)
+    variants = [timed("eager", "baseline", 1.0)] + [timed(f"v{index}", "peer", 1.0 + index) for index in range(28)]
+    result = result_of(100.0, 1e6)
+    result.models[0].variants = variants
+    assert write_plot(result, tmp_path / "bench.png") is None
+    assert len(drawn) == 29 and None not in {colour for colour, _ in drawn} and len(set(drawn)) == 29
