@@ -66,8 +66,9 @@ def one_at_a_time(function: _Function) -> _Function:
     mean ``precision``?), where Python's own `TypeError` names none. One wrapper, so that the warnings graphopt
     raises point at the caller's line with the same ``stacklevel`` everywhere.
     """
-    parameters = inspect.signature(function).parameters
-    names = None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) else keyword_names(inspect.signature(function))
+    signature = inspect.signature(function)
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in signature.parameters.values())
+    names = None if takes_any else keyword_names(signature)  # export_onnx passes **optimize_options on: optimize checks them
 
     @functools.wraps(function)
     def serialised(*args: Any, **kwargs: Any) -> Any:
