@@ -30,9 +30,8 @@ import fnmatch
 import functools
 import inspect
 import io
-import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt.pipeline import cpu_kernel_passes
-from graphopt.quiet import FOREIGN_LOG_MESSAGES, log_messages_dropped
+from graphopt.quiet import FOREIGN_LOG_MESSAGES, TORCHAO_IMPORT_MESSAGES, log_messages_dropped
 
 Runner = Callable[[], Any]
 
@@ -257,26 +256,12 @@ def _openvino_int8(setup: Setup) -> Runner:
     return lambda: tuple(request.infer(inputs).values())
 
 
-@contextlib.contextmanager
-def _quiet_loggers(*names: str) -> Iterator[None]:
-    """Only errors from these loggers while inside."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-
-
 def _pt2e_int8(setup: Setup) -> Runner:
     """torchao's PT2E flow: ``X86InductorQuantizer`` observers and q/dq graph, calibrated, compiled by Inductor with freezing."""
     if setup.device.type != "cpu":
         raise VariantSkipped("the PT2E x86 int8 variant runs on CPU only")
     try:
-        with _quiet_loggers("torchao", "torch.utils._pytree"):  # its CUDA-only extensions fail to load on a CPU build, noisily
+        with log_messages_dropped(TORCHAO_IMPORT_MESSAGES):  # its CUDA-only extensions fail to load on a CPU build, noisily
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
             from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
     except ImportError as error:
