@@ -9,6 +9,7 @@ exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,20 +18,21 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphopt import dynamic, tuning
+from graphopt import dynamic, progress, tuning
+from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo, EngineInput, engine_info
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, compile_graph, compile_regions
 from graphopt.capture import capture_graph, check_frontend, one_at_a_time
 from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
-from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationWarning
+from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationError, VerificationWarning
 from graphopt.inputs import InputSignature, argument_names, copied_inputs, unread_arguments
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext
-from graphopt.pipeline import Verifier, run_verified, select_passes
+from graphopt.pipeline import Verifier, engine_left_out, run_verified, select_passes
 from graphopt.precision import INT8, PRECISIONS, calibration_batches, check_int8, check_precision, emulated_on_cpu, precision_policy, runs_on
 from graphopt.progress import shown as show_progress
 from graphopt.runtime import OptimizedModule, int8_modules, prepacked_modules, updates_state
 from graphopt.runtime.portable import to_aten
-from graphopt.report import Report
+from graphopt.report import EngineReport, Report
 from graphopt.side_effects import preserved_user_objects, side_effects_message, watch_side_effects
 from graphopt.validate import SecondInputs, check_inputs, check_model, positional_inputs, reference_run, with_values_of
 from graphopt import verify as verify_outputs
@@ -95,10 +97,12 @@ def optimize(
     fp32_ops: Iterable[str] | None = None,
     calibration: Iterable[Any] | None = None,
     fuse: str | None = None,
+    engine: str = DEFAULT_ENGINE,
     device: str | torch.device | None = None,
     tune: bool = False,
     accuracy: float | None = None,
     tune_budget_s: float = tuning.DEFAULT_BUDGET_S,
+    remeasure: bool = False,
     progress: bool | None = None,
 ) -> OptimizedModule:
     """Return a faster, verified copy of ``model``; ``model`` itself is never modified.
@@ -155,6 +159,14 @@ def optimize(
             torch.jit.script, deprecated by PyTorch) or ``"graph"`` (the whole optimized
             graph handed to torch.compile). Compiled during ``optimize``; a region whose
             backend fails stays eager, with the reason in ``report.fusion``.
+        engine: the runtime the optimized graph runs on (``graphopt.backends.ENGINES``):
+            ``"pytorch"`` (default: graphopt's own passes and kernels, any mode and device),
+            ``"openvino"``, ``"onnxruntime"`` or ``"inductor"`` (inference; the graph after
+            the portable passes, handed to that runtime, which chooses layouts and kernels
+            itself; ``precision`` is the runtime's: see ``graphopt engines``). The engine's
+            outputs are verified against the original model on the example and on the second
+            input; ``report.engine`` says how. A runtime that is not installed raises
+            `EngineError` naming the extra to install.
         device: the device the model will run on (default: where its parameters are);
             the copy is moved there, and the example inputs must be on it. On CUDA,
             graphs with convolutions and static input shapes turn on cudnn.benchmark.
@@ -169,6 +181,9 @@ def optimize(
             With ``precision="int8"``, the output error budget (default 5e-2), measured on the
             example inputs and verified on them and on a second input.
         tune_budget_s: with ``tune``, about how many seconds tuning may take.
+        remeasure: time the measured passes again instead of reusing a clear decision this
+            machine took before for the same graph and inputs (also ``GRAPHOPT_REMEASURE=1``;
+            see ``graphopt.timing``).
         progress: show a status line on stderr while capturing, running the passes,
             tuning and compiling: None (default) on a terminal only, True always, False never.
 
@@ -195,6 +210,8 @@ def optimize(
                 "which cannot be captured again: optimize the original model with the options you want instead"
             )
         resolved_mode = _resolve_mode(mode, model)
+        info = engine_info(engine)
+        _check_engine(info, resolved_mode, precision, memory_format, fuse, passes)
         int8 = precision == INT8
         int8_accuracy = None  # the output error budget of precision="int8"
         if int8:
@@ -209,33 +226,38 @@ def optimize(
                 "(the output error budget of the int8 layers): pass one of them, or leave accuracy out"
             )
         low_dtype = None if int8 else check_precision(precision, model)
+        graph_dtype = low_dtype if info.own_passes else None  # another engine computes in the low precision itself
         low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
         if fuse is not None and fuse not in FUSE_BACKENDS:
             raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
         if memory_format not in MEMORY_FORMATS:
             raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
-        measure = memory_format == "auto" and not int8  # int8 runs the oneDNN kernels it quantizes, unmeasured
+        # int8 runs the oneDNN kernels it quantizes, unmeasured; another engine gets the portable passes only
+        measure = memory_format == "auto" and not int8 and info.own_passes
         infos = select_passes(
             resolved_mode,
             passes,
             disable,
-            preserve_layout=memory_format == "preserve",
-            low_precision=low_dtype is not None,
+            preserve_layout=memory_format == "preserve" or not info.own_passes,
+            low_precision=graph_dtype is not None,
             fuse=fuse,
             measure=measure,
             int8=int8,
+            portable=not info.own_passes,
         )
         check_frontend(frontend)  # every option is checked before the costly steps below
         dynamic_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
         strict = _check_verify(verify)
         common = dict(
             mode=mode, disable=disable, frontend=frontend, dynamic_shapes=dynamic_shapes, keep_channels_last_outputs=keep_channels_last_outputs,
-            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify,
+            low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, device=device, verify=verify, remeasure=remeasure,
         )  # fmt: skip
         if tune:
             fixed = {
                 name: value
-                for name, value, default in (("memory_format", memory_format, "auto"), ("precision", precision, "fp32"), ("fuse", fuse, None), ("passes", passes, None))
+                for name, value, default in (
+                    ("memory_format", memory_format, "auto"), ("precision", precision, "fp32"), ("fuse", fuse, None), ("passes", passes, None), ("engine", engine, DEFAULT_ENGINE)
+                )  # fmt: skip
                 if value != default
             }
             return _tuned(model, example_inputs, common, fixed, accuracy, tune_budget_s, calibration)
@@ -281,12 +303,13 @@ def optimize(
                 example_inputs=args,
                 keep_channels_last_outputs=keep_channels_last_outputs,
                 measure=measure,
-                precision=low_dtype,
+                precision=graph_dtype,
                 low_precision_ops=low_ops,
                 fp32_ops=kept_ops,
                 device=target,
                 calibration=batches,
                 accuracy=int8_accuracy,
+                remeasure=remeasure,
             )
             report.captured_nodes = snapshot(captured.graph_module.graph)
             # read before the passes, which may leave an argument unread where any value computes the same (a removed dropout's p)
@@ -333,11 +356,66 @@ def optimize(
                     runner, report.fusion = compile_graph(gm, args, context=run_context, dynamic=free)
                 else:
                     report.fusion = compile_regions(gm, fuse, args, context=run_context, dynamic_batch=any(0 in dims for dims in free))
-            signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export", fixed_arguments=fixed_arguments)
+            # an engine's program fixes arguments without tensors at the example's values, as torch.export does
+            signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export" or not info.own_passes, fixed_arguments=fixed_arguments)
+            if not info.own_passes:
+                checks = [check for check in (example, second) if check is not None] if verify else []
+                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks)
             optimized = OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
         if int8 and passes is None and not int8_modules(optimized):
             return _float_instead_of_int8(model, example_inputs, dict(common, memory_format=memory_format), report)
         return optimized
+
+
+def _check_engine(info: EngineInfo, mode: Mode, precision: str, memory_format: str, fuse: str | None, passes: Sequence[str] | None) -> None:
+    """Refuse, before anything costly, what engine ``info`` cannot do; the PyTorch engine takes every option."""
+    if info.own_passes:
+        return
+    info.check_installed()
+    name = info.name
+    if mode == "training":
+        raise InvalidOptionError(
+            f"engine={name!r} serves inference only: its compiled graph has no autograd. Train with engine='pytorch' (the default), "
+            f"and optimize the trained model with mode='inference', engine={name!r} to serve it"
+        )
+    if precision not in info.precisions:
+        raise InvalidOptionError(f"engine={name!r} computes in {', '.join(map(repr, info.precisions))}, not precision={precision!r}: choose one of those, or engine='pytorch'")
+    if fuse is not None:
+        raise InvalidOptionError(f"engine={name!r} compiles the whole graph itself: leave fuse= out (it is for engine='pytorch')")
+    if memory_format == "channels_last":
+        raise InvalidOptionError(f"engine={name!r} chooses its own memory layouts: leave memory_format= out (it is for engine='pytorch')")
+    pytorch_only = [pass_name for pass_name in passes or () if pass_name in engine_left_out()]
+    if pytorch_only:
+        raise InvalidOptionError(
+            f"passes= asks for {', '.join(pytorch_only)}, whose result only PyTorch runs: engine={name!r} gets the portable passes, leave them out"
+        )
+
+
+def _on_engine(
+    info: EngineInfo, gm: fx.GraphModule, args: tuple[Any, ...], free: dynamic.Dims, precision: str, low_dtype: torch.dtype | None, checks: list[Check]
+) -> tuple[nn.Module, EngineReport]:
+    """The runner engine ``info`` builds from the optimized graph, verified on ``checks`` like a pass (else `VerificationError`)."""
+    started = time.perf_counter()
+    for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)
+        runner = info.build(EngineInput(gm, copied_inputs(args), free, precision))  # type: ignore[misc]
+    report = EngineReport(info.name, precision, build_seconds=time.perf_counter() - started)
+    errors = []
+    for check in checks:
+        with torch.inference_mode():
+            actual = runner(*copied_inputs(check.args))
+        comparison = verify_outputs.compare(check.expected.outputs, actual, low_dtype)
+        if not comparison.ok:
+            size = "" if comparison.max_error == float("inf") else f" by {comparison.max_error:.3e} relative to the output's scale (tolerance {comparison.tolerance:.0e})"
+            reason = f"engine={info.name!r} ({precision}) computes {comparison.where} differently from the original model on {check.description}{size}: {comparison.detail}."
+            raise VerificationError(
+                f"{reason} Your model is unchanged; use engine='pytorch' (the default) or another engine, and please report the model.",
+                max_error=comparison.max_error,
+                reason=reason,
+            )
+        errors.append(comparison.max_error)
+    report.max_error = errors[0] if errors else None
+    report.second_input_error = errors[1] if len(errors) > 1 else None
+    return runner, report
 
 
 def _float_instead_of_int8(model: nn.Module, example_inputs: Any, options: dict[str, Any], attempt: Report) -> OptimizedModule:
@@ -442,6 +520,8 @@ def _tuned(
         onednn=onednn,
         emulated=emulated,
         int8=batches is not None,
+        # the engines other than PyTorch serve CPU inference
+        engines=[info for info in ENGINES.values() if not info.own_passes] if resolved_mode == "inference" and device_types(model) == {"cpu"} else [],
     )
 
 

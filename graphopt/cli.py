@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from graphopt import __version__
 from graphopt.api import MEMORY_FORMATS, optimize
+from graphopt.backends import DEFAULT_ENGINE, ENGINES
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.export import export_onnx
 from graphopt.bench.harness import BenchModel
@@ -295,6 +296,7 @@ def _command_optimize(args: argparse.Namespace) -> int:
         precision=args.precision,
         calibration=calibration,
         fuse=args.fuse,
+        engine=args.engine,
         tune=args.tune,
         accuracy=args.accuracy,
         progress=_progress(args),
@@ -553,6 +555,17 @@ def _command_passes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_engines(args: argparse.Namespace) -> int:
+    rows = [
+        (info.name, ", ".join(info.precisions), info.missing() or "installed", f"{info.description}. Costs: {info.costs}")
+        for info in ENGINES.values()
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    for name, precisions, installed, description in rows:
+        print(f"{name.ljust(widths[0])}  {precisions.ljust(widths[1])}  {installed}\n    {description}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphopt", description="Make PyTorch models faster by rewriting their graphs.")
     parser.add_argument("--version", action="version", version=f"graphopt {__version__} (torch {torch.__version__})")
@@ -585,7 +598,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--calibration", metavar="SOURCE", help=f"with --precision int8 (or --tune): the batches each layer's input range is measured on: {CALIBRATION_SOURCES}")
     run.add_argument("--fuse", choices=FUSE_BACKENDS, default=None, help="compile pointwise regions (inductor, torchscript) or the whole graph")
-    run.add_argument("--tune", action="store_true", help="time candidate configurations and keep the fastest within --accuracy")
+    run.add_argument(
+        "--engine",
+        choices=tuple(ENGINES),
+        default=DEFAULT_ENGINE,
+        help="the runtime the optimized graph runs on (inference; see graphopt engines); default: graphopt's own PyTorch runtime",
+    )
+    run.add_argument("--tune", action="store_true", help="time candidate configurations (every installed engine too) and keep the fastest within --accuracy")
     run.add_argument(
         "--accuracy",
         type=float,
@@ -686,6 +705,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     passes = commands.add_parser("passes", help="list the available passes: modes, where each runs by default or how to ask for it")
     passes.set_defaults(handler=_command_passes)
+
+    engines = commands.add_parser("engines", help="list the engines an optimized graph can run on (--engine), their precisions and whether each is installed")
+    engines.set_defaults(handler=_command_engines)
     return parser
 
 

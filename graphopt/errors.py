@@ -100,3 +100,7 @@ class ImportNotAllowedError(LoadError):
         super().__init__(message)
         self.modules = list(modules)
         self.reason = reason  # what is missing, without the advice (the command line gives its own)
+
+
+class EngineError(GraphoptError, RuntimeError):
+    """An engine (OpenVINO, onnxruntime, Inductor) is not installed, or could not take or run the graph."""

@@ -10,12 +10,22 @@ mode also the gradients); the final graph is also checked on a second input (ano
 batch size, fresh values, other strides). A pass that fails either check is rolled
 back and the others stand (`run_verified`), or, with ``verify="strict"``, the failure
 raises `VerificationError` naming the pass, the error, the output and the rewrites.
+
+A `measured` pass (with ``ctx.measure``) stays only if the graph runs clearly faster with
+it (`graphopt.timing.compare_latency`: paired rounds until the ratio is clear of
+`MIN_MEASURED_GAIN` or `MEASURE_BUDGET_S` is spent); a close measurement keeps the graph
+without it, the stated default. A clear decision is remembered on this machine (the CPU,
+torch, the thread count, the graph before and after the pass, the example inputs' shapes,
+dtypes and strides) and reused instead of measured again, unless ``ctx.remeasure`` or
+``GRAPHOPT_REMEASURE=1``. The report shows one time per graph: a measurement that starts
+from the graph the previous one ended with reports that graph's earlier time.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import operator
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -25,8 +35,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from graphopt import progress, verify
+from graphopt import progress, timing, verify
 from graphopt.checkpoint import key_map
 from graphopt.errors import GraphoptError, InvalidOptionError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo, PassResult
@@ -34,7 +45,9 @@ from graphopt.passes import base as pass_base
 from graphopt.passes.fold_conv_bn import fold_conv_bn
 from graphopt.diff import GraphDiff, snapshot
 from graphopt.report import NodeChange, PassReport
-from graphopt.timing import compare_latency
+from graphopt.timing import Comparison, compare_latency
+
+MEASURE_BUDGET_S = 2.0  # seconds spent timing one measured pass when the difference is not clear sooner
 
 
 def preset(mode: Mode, measure: bool = True) -> tuple[str, ...]:
@@ -98,6 +111,7 @@ def select_passes(
     fuse: str | None,
     measure: bool = True,
     int8: bool = False,
+    portable: bool = False,
 ) -> list[PassInfo]:
     """The passes an ``optimize`` call runs: the preset (or ``passes``) shaped by its memory-format, precision and fuse options.
 
@@ -107,11 +121,12 @@ def select_passes(
     it goes in at its registry place. ``runs_last`` passes move to the end; with ``fuse``
     the ``fuse="without"`` passes are left out and, for region fusion, the
     ``fuse="regions"`` pass is added. With ``int8`` (and no ``passes``) the `quantizes` pass goes in with
-    the `cpu_kernels` passes it quantizes, unmeasured; without it, it is left out.
+    the `cpu_kernels` passes it quantizes, unmeasured; without it, it is left out. ``portable``: for an engine
+    other than PyTorch, the passes `engine_left_out` names are left out too.
     """
     _check_lists(passes, disable)
     requested = set(passes or ())
-    disabled = list(disable)
+    disabled = [*disable, *(engine_left_out() if portable else ())]
     for info in REGISTRY.values():
         if info.layout and preserve_layout:
             if info.name in requested:
@@ -162,6 +177,12 @@ def onnx_left_out() -> list[str]:
     return [name for name, info in REGISTRY.items() if info.onnx != "exported"]
 
 
+def engine_left_out() -> list[str]:
+    """The passes an engine other than PyTorch does not get: their result is PyTorch-specific (kernels, layouts,
+    in-place buffers), so the engine's graph has the portable passes only, those `export_onnx` exports too."""
+    return onnx_left_out()
+
+
 def onnx_refused() -> list[str]:
     """The passes whose result ONNX cannot express: `export_onnx` refuses ``passes=`` that ask for them."""
     return [name for name, info in REGISTRY.items() if info.onnx == "inexpressible"]
@@ -171,12 +192,63 @@ def _node_changes(nodes: Iterable[fx.Node]) -> list[NodeChange]:
     return [NodeChange.of(node) for node in nodes]
 
 
-def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> tuple[float, str]:
-    """How many times faster ``after`` runs than ``before`` on the example inputs (forward only), and the figures."""
+def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> Comparison:
+    """``before`` against ``after`` on the example inputs (forward only), until clear of `MIN_MEASURED_GAIN` or the budget is spent."""
     with verify.isolated(before), verify.isolated(after):
-        before_s, after_s = compare_latency(lambda: before(*ctx.example_inputs), lambda: after(*ctx.example_inputs))
-    gain = before_s / after_s
-    return gain, f"measured on the example inputs: {before_s * 1e3:.2f} ms without, {after_s * 1e3:.2f} ms with ({gain:.2f}x)"
+        return compare_latency(
+            lambda: before(*ctx.example_inputs), lambda: after(*ctx.example_inputs), threshold=pass_base.MIN_MEASURED_GAIN, budget_s=MEASURE_BUDGET_S
+        )
+
+
+def _tensor_signature(tensor: torch.Tensor) -> list[Any]:
+    layout = list(tensor.stride()) if tensor.layout == torch.strided else str(tensor.layout)  # prepacked oneDNN weights have none
+    return [list(tensor.shape), str(tensor.dtype), str(tensor.device), layout]
+
+
+def _graph_signature(gm: fx.GraphModule) -> list[Any]:
+    """What a graph's speed depends on: its code, its modules' configurations, its tensors' shapes, dtypes and layouts."""
+    modules = [[name, type(module).__qualname__, module.extra_repr()] for name, module in gm.named_modules() if name]
+    tensors = {name: _tensor_signature(t) for name, t in [*gm.named_parameters(), *gm.named_buffers()]}
+    for node in gm.graph.nodes:  # tensors stored as plain attributes
+        value = operator.attrgetter(str(node.target))(gm) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor):
+            tensors[str(node.target)] = _tensor_signature(value)
+    return [gm.code, modules, sorted(tensors.items())]
+
+
+def _decision_key(info: PassInfo, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> str:
+    """Everything a measured decision depends on besides the CPU (`graphopt.timing.decision_key` adds it)."""
+    inputs = [_tensor_signature(leaf) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in pytree.tree_leaves(ctx.example_inputs)]
+    return timing.decision_key(
+        info.name, pass_base.MIN_MEASURED_GAIN, torch.__version__, torch.get_num_threads(), _graph_signature(before), _graph_signature(after), inputs
+    )
+
+
+def _measured_decision(info: PassInfo, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> tuple[Comparison, bool]:
+    """Whether ``after`` is clearly faster than ``before``, and whether that was remembered from an earlier run.
+
+    A clear measurement is remembered; with ``ctx.remeasure`` (or ``GRAPHOPT_REMEASURE=1``) a
+    remembered one is measured again, and a new result that is not clear forgets it.
+    """
+    key = _decision_key(info, before, after, ctx)
+    remembered = None if ctx.remeasure or timing.remeasure_requested() else timing.remembered(key)
+    if remembered is not None:
+        return remembered, True
+    measurement = _measure(before, after, ctx)
+    timing.remember(key, measurement)
+    return measurement, False
+
+
+def _decision_note(measurement: Comparison, cached: bool, kept: bool) -> str:
+    """``measured on the example inputs: 16.52 ms without, 8.10 ms with (2.04x): kept``, or why it was undone."""
+    source = "measured on the example inputs in an earlier run on this machine" if cached else "measured on the example inputs"
+    before = f"{measurement.baseline_s * 1e3:.2f} ms without" + (" (as timed above)" if measurement.anchored else "")
+    figures = f"{source}: {before}, {measurement.candidate_s * 1e3:.2f} ms with ({measurement.ratio:.2f}x)"
+    if kept:
+        return f"{figures}: kept"
+    if measurement.high < measurement.threshold:
+        return f"{figures}: undone (a measured pass must be {measurement.threshold:.2f}x faster to stay)"
+    return f"{figures}: undone (not clearly {measurement.threshold:.2f}x faster within the measurement noise: the graph without it is the default)"
 
 
 @dataclass
@@ -261,6 +333,7 @@ def run_passes(
     """
     reports: list[PassReport] = []
     diffs = {}
+    latency = None  # the report's time for the graph as it stands (None: it changed since it was last timed)
     error = capture_error
     gradient_error = None  # no pass has compared gradients yet
     compute_dtype = None  # set once a pass lowers precision: later checks use its tolerance
@@ -295,14 +368,18 @@ def run_passes(
         elif verifier is not None:
             report.max_error, report.gradient_error = error, gradient_error
         if undo_copy is not None and result.modified:
-            gain, figures = _measure(undo_copy, gm, ctx)
-            if gain < pass_base.MIN_MEASURED_GAIN:
+            measurement, cached = _measured_decision(info, undo_copy, gm, ctx)
+            if latency is not None:  # the graph it started from already has a time in the report
+                measurement = measurement.anchored_to(latency)
+            kept = measurement.faster
+            if not kept:
                 gm = undo_copy
-                undone = PassReport(info.name, seconds=report.seconds, max_error=error if verifier is not None else None, gradient_error=gradient_error)
-                undone.notes.append(f"{figures}: undone (a measured pass must be {pass_base.MIN_MEASURED_GAIN:.2f}x faster to stay)")
-                report = undone
-            else:
-                report.notes.append(f"{figures}: kept")
+                report = PassReport(info.name, seconds=report.seconds, max_error=error if verifier is not None else None, gradient_error=gradient_error)
+            report.notes.append(_decision_note(measurement, cached, kept))
+            report.measurement, report.measurement_cached = measurement, cached
+            latency = measurement.candidate_s if kept else measurement.baseline_s
+        elif result.modified:
+            latency = None
         error = report.max_error if report.max_error is not None else error
         gradient_error = report.gradient_error if report.gradient_error is not None else gradient_error
         reports.append(report)

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from graphopt.checkpoint import StateChange, state_change_from_dict, state_change_to_dict
 from graphopt.errors import InvalidOptionError
+from graphopt.timing import Comparison, Ranking
 
 
 def describe(node: fx.Node) -> str:
@@ -103,12 +104,23 @@ class PassReport:
     mean_error: float | None = None  # mean error over the worst output, when this pass was verified
     seconds: float = 0.0
     rolled_back: str = ""  # why: the pass failed verification and the graph is as if it had not run
+    measurement: Comparison | None = None  # a measured pass: the timing that decided whether it stayed (None: not measured)
+    measurement_cached: bool = False  # that timing was taken in an earlier run on this machine and remembered
 
     def rewrite(self, node: fx.Node, detail: str) -> None:
         self.rewrites.append(Rewrite(describe(node), detail, node.name))
 
     def skip(self, node: fx.Node, reason: str) -> None:
         self.skips.append(Skip(describe(node), reason))
+
+    def measurement_lines(self) -> list[str]:
+        """The timing behind a measured decision: its interval and verdict, flagged when close or disturbed."""
+        if self.measurement is None:
+            return []
+        source = "remembered from an earlier run on this machine (GRAPHOPT_REMEASURE=1 measures again)" if self.measurement_cached else "measured now"
+        lines = [f"timing, {source}: {self.measurement.describe()}"]
+        concern = self.measurement.concern()
+        return [*lines, f"{self.measurement.verdict.upper()}: {concern}"] if concern else lines
 
 
 @dataclass
@@ -172,10 +184,13 @@ class TuneReport:
     accuracy: float
     cache: str = "miss"  # "hit": the choice came from the cache, nothing was measured
     seconds: float = 0.0
+    ranking: Ranking | None = None  # how the accurate candidates were timed, and how clearly the winner won (None: from the cache)
 
     def lines(self) -> list[str]:
         source = "from the cache, not measured again" if self.cache == "hit" else f"tuned in {self.seconds:.1f}s"
         lines = [f"tune: {self.winner} ({source}): {self.why}"]
+        if self.ranking is not None and self.ranking.concern():
+            lines.append(f"    {self.ranking.verdict.upper()}: {self.ranking.concern()}")
         for candidate in self.candidates:
             if candidate.status == "measured" and candidate.seconds is not None:
                 result = f"{candidate.seconds * 1e3:.2f} ms, error {candidate.max_error or 0:.1e}"
@@ -183,6 +198,24 @@ class TuneReport:
                 result = f"{candidate.status}: {candidate.reason}"
             lines.append(f"    {'*' if candidate.name == self.winner else ' '} {candidate.name}: {result}")
         return lines
+
+
+@dataclass
+class EngineReport:
+    """``optimize(engine=...)``: the runtime the optimized graph was handed to, and how its result was verified."""
+
+    name: str
+    precision: str
+    build_seconds: float = 0.0
+    max_error: float | None = None  # the engine's outputs against the original model's, on the example (None: not verified)
+    second_input_error: float | None = None  # the same on the second input
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        verified = "not verified" if self.max_error is None else f"error {self.max_error:.1e} on the example"
+        if self.second_input_error is not None:
+            verified += f", {self.second_input_error:.1e} on the second input"
+        return [f"engine: {self.name} ({self.precision}), built in {self.build_seconds:.1f}s, {verified}", *(f"    {note}" for note in self.notes)]
 
 
 @dataclass
@@ -204,6 +237,7 @@ class Report:
     capture_seconds: float = 0.0
     fusion: FusionReport | None = None  # optimize(fuse=...): what the fusion backend compiled
     tune: TuneReport | None = None  # optimize(tune=True): every candidate measured, and the winner
+    engine: EngineReport | None = None  # optimize(engine=...) other than PyTorch: the engine that runs the graph
     # graph diffs, kept out of to_dict(): per pass (report.diffs[pass_name]), and the
     # captured graph's nodes that graphopt.diff(optimized) compares the result with
     diffs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -219,6 +253,8 @@ class Report:
     def max_error(self) -> float | None:
         """The largest error any pass left (the final graph's, since errors are measured against the original)."""
         errors = [p.max_error for p in self.passes if p.max_error is not None]
+        if self.engine is not None and self.engine.max_error is not None:  # the engine computes the final outputs
+            errors.append(max(self.engine.max_error, self.engine.second_input_error or 0.0))
         return max(errors) if errors else None
 
     def why(self, where: str) -> Reasons:
@@ -274,13 +310,20 @@ class Report:
             entry["created"] = [NodeChange(**c) for c in entry["created"]]
             entry["erased"] = [NodeChange(**c) for c in entry["erased"]]
             entry["state_changes"] = [state_change_from_dict(c) for c in entry["state_changes"]]
+            if entry.get("measurement") is not None:
+                entry["measurement"] = Comparison(**entry["measurement"])
             return PassReport(**entry)
 
         fields["passes"] = [pass_report(entry) for entry in fields["passes"]]
         if fields.get("fusion") is not None:
             fields["fusion"] = FusionReport(**{**fields["fusion"], "regions": [RegionReport(**r) for r in fields["fusion"]["regions"]]})
         if fields.get("tune") is not None:
-            fields["tune"] = TuneReport(**{**fields["tune"], "candidates": [TuneCandidate(**c) for c in fields["tune"]["candidates"]]})
+            ranking = fields["tune"].get("ranking")
+            fields["tune"] = TuneReport(
+                **{**fields["tune"], "candidates": [TuneCandidate(**c) for c in fields["tune"]["candidates"]], "ranking": Ranking(**ranking) if ranking else None}
+            )
+        if fields.get("engine") is not None:
+            fields["engine"] = EngineReport(**fields["engine"])
         return cls(**fields)
 
     def to_json(self, indent: int = 2) -> str:
@@ -327,11 +370,14 @@ class Report:
             if p.rolled_back:
                 lines.append(f"    rolled back: {p.rolled_back}")
             lines += [f"    {note}" for note in p.notes]
+            lines += [f"    {line}" for line in p.measurement_lines()]
             lines += [f"    skipped {s.where}: {s.reason}" for s in p.skips]
         if not self.passes:
             lines.append("(no passes ran)")
         if self.fusion is not None:
             lines += self.fusion.lines()
+        if self.engine is not None:
+            lines += self.engine.lines()
         if self.tune is not None:
             lines += self.tune.lines()
         return "\n".join(lines)
@@ -345,7 +391,7 @@ class Report:
             body.append("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>")
             if p.rolled_back:
                 body.append(f'<tr><td colspan="{len(columns)}"><b>rolled back</b>: {esc(p.rolled_back)}</td></tr>')
-            body += [f'<tr><td colspan="{len(columns)}">{esc(note)}</td></tr>' for note in p.notes]
+            body += [f'<tr><td colspan="{len(columns)}">{esc(note)}</td></tr>' for note in [*p.notes, *p.measurement_lines()]]
             if p.skips:
                 items = "".join(f"<li><code>{esc(s.where)}</code>: {esc(s.reason)}</li>" for s in p.skips)
                 body.append(f'<tr><td colspan="{len(columns)}"><details><summary>{len(p.skips)} skipped</summary><ul>{items}</ul></details></td></tr>')

@@ -18,6 +18,12 @@
   for this CPU. Where the inputs or outputs are classes of a library (Hugging Face's
   ``ModelOutput``s), that module must be imported first: `load` imports it only when the
   caller allows it (``allow_import=True``, see `_import_containers`).
+- A module that runs on an engine other than PyTorch (``optimize(engine=...)``) is written the
+  same way, with the engine's own files (OpenVINO's IR, the ONNX file) inside the archive
+  under ``graphopt-engine/``, their SHA-256 checksums in graphopt's metadata; `load` checks
+  them and hands them to the engine's loader (`graphopt.backends.EngineInfo.load`). Engines
+  whose compiled code is specific to the machine (Inductor) write no files and compile again
+  when loaded. Loading needs that engine installed; no engine runs code from its files.
 - `package` compiles the graph ahead of time with AOTInductor
   (``torch._inductor.aoti_compile_and_package``) into a ``.pt2`` package that
   ``torch._inductor.aoti_load_package`` and the C++ runtime run without Python model code;
@@ -35,6 +41,7 @@ import ast
 import base64
 import copyreg
 import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -54,6 +61,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from graphopt.backends import ENGINES
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ImportNotAllowedError, LoadError, SaveError, error_summary
 from graphopt.inputs import InputSignature, TensorSpec, other_inputs
@@ -70,6 +78,8 @@ FORMAT = "graphopt.save"
 FORMAT_VERSION = 1
 METADATA_FILE = "graphopt.json"
 FP32_WEIGHTS_FILE = "graphopt-fp32-weights.json"
+ENGINE_FOLDER = "graphopt-engine"  # inside the archive, beside torch.export's folders: the engine's own files
+ENGINE_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a plain file name: no folders, nothing hidden
 
 
 def _check_module(module: Any, what: str) -> InputSignature:
@@ -191,6 +201,54 @@ def _metadata(module: OptimizedModule, signature: InputSignature, program: Expor
     }
 
 
+def _engine_files(module: OptimizedModule, folder: Path) -> dict[str, Any] | None:
+    """Write the engine's own files into ``folder``: its metadata entry (name, settings, each file's SHA-256), or None
+    for a module that runs on graphopt's own PyTorch runtime."""
+    engine = module.graphopt_report.engine
+    if engine is None:
+        return None
+    try:
+        settings = module.runner.save(folder)
+    except Exception as error:
+        raise SaveError(f"engine={engine.name!r} could not write its files ({error_summary(error)}). Nothing was written.") from error
+    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
+    if not all(path.is_file() and ENGINE_FILE_NAME.fullmatch(name) for name, path in ((name, folder / name) for name in files)):
+        raise SaveError(f"engine={engine.name!r} wrote {sorted(files)}: graphopt stores plain files only. Nothing was written.")
+    return {"name": engine.name, "settings": settings, "files": files}
+
+
+def _add_engine_files(staged: Path, folder: Path, entry: dict[str, Any]) -> None:
+    """Append the engine's files to the archive torch.export.save wrote, under its top folder."""
+    with zipfile.ZipFile(staged, "a", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        top = archive.namelist()[0].partition("/")[0]
+        for name in entry["files"]:
+            archive.write(folder / name, f"{top}/{ENGINE_FOLDER}/{name}")
+
+
+def _engine_runner(source: Path, entry: Any, members: dict[str, str], graph_module: Any, signature: InputSignature) -> torch.nn.Module:
+    """The engine's runner from the files in the archive, each checked against its SHA-256 in the metadata."""
+    if not isinstance(entry, dict) or entry.get("name") not in ENGINES or ENGINES[entry["name"]].load is None:
+        raise LoadError(f"{source} names an engine this graphopt does not have ({entry.get('name') if isinstance(entry, dict) else entry!r}): load it with the graphopt that wrote it")
+    info = ENGINES[entry["name"]]
+    if info.missing():
+        raise LoadError(f"the module in {source} runs on {info.missing()}")
+    files = entry.get("files")
+    stored = sorted(inner.removeprefix(f"{ENGINE_FOLDER}/") for inner in members if inner.startswith(f"{ENGINE_FOLDER}/"))
+    if not isinstance(files, dict) or sorted(files) != stored or not all(ENGINE_FILE_NAME.fullmatch(name) for name in stored):
+        raise LoadError(f"{source}: the engine's files in the archive ({stored}) are not those graphopt.save listed: the file was changed. Save the module again.")
+    with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(source) as archive:
+        folder = Path(scratch)
+        for name, digest in files.items():
+            data = archive.read(members[f"{ENGINE_FOLDER}/{name}"])
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise LoadError(f"{source}: the engine's file {name} does not match its checksum: the file was changed. Save the module again.")
+            (folder / name).write_bytes(data)
+        try:
+            return info.load(folder, entry.get("settings") or {}, graph_module, signature.example_inputs())
+        except Exception as error:
+            raise LoadError(f"engine={info.name!r} could not load its files from {source} ({error_summary(error)})") from error
+
+
 def _encode_tensors(tensors: dict[str, torch.Tensor]) -> str:
     """Tensors as JSON: dtype, shape and the raw bytes in base64 (no pickle)."""
     return json.dumps(
@@ -225,7 +283,10 @@ def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bo
     signature = _check_module(module, "graphopt.save")
     destination = _destination(path, overwrite)
     program = _export(module, signature)
-    extra_files = {METADATA_FILE: json.dumps(_metadata(module, signature, program))}
+    metadata = _metadata(module, signature, program)
+    engine_folder = tempfile.TemporaryDirectory(prefix=f".{destination.name}.engine.", dir=destination.parent)
+    metadata["engine"] = _engine_files(module, Path(engine_folder.name))
+    extra_files = {METADATA_FILE: json.dumps(metadata)}
     fp32_weights = module.fp32_weights()
     if fp32_weights:
         extra_files[FP32_WEIGHTS_FILE] = _encode_tensors(fp32_weights)
@@ -245,6 +306,8 @@ def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bo
                 torch.export.save(program, staged, extra_files=extra_files)
         except Exception as error:
             raise SaveError(f"torch.export.save could not write the program ({error_summary(error)}). Nothing was written.") from error
+        if metadata["engine"] is not None:
+            _add_engine_files(staged, Path(engine_folder.name), metadata["engine"])
 
     def check(staged: Path) -> None:
         try:
@@ -253,7 +316,8 @@ def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bo
             raise SaveError(f"graphopt.load refuses the file torch.export.save wrote ({error}). Nothing was written: please report this with the model.") from error
         _compare_runs(module, loaded, signature, "the saved file")
 
-    _write_beside(destination, write, check)
+    with engine_folder:
+        _write_beside(destination, write, check)
     return destination
 
 
@@ -577,7 +641,7 @@ def _import_containers(names: Any, what: str, allow_import: bool, loader: str) -
             )
 
 
-def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:
     if not source.is_file():
         raise LoadError(f"no file at {source}: give the path graphopt.save wrote")
     members = _archive_members(source)
@@ -605,13 +669,13 @@ def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> 
         raise
     except Exception as error:  # JSON that does not parse, fields of the wrong kind
         raise LoadError(f"{source} is damaged ({type(error).__name__}: {error}): save the module again") from error
-    return metadata, fp32_weights
+    return metadata, fp32_weights, members
 
 
 def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load") -> OptimizedModule:
     """The module in the file at ``source``; ``loader``: what the caller called (`load`, or torch.load through `from_bytes`)."""
     what = f"the module in {source}" if loader == "graphopt.load" else "the pickled module"  # from_bytes reads a scratch file
-    metadata, fp32_weights = _read_metadata(source, what, allow_import, loader)
+    metadata, fp32_weights, members = _read_metadata(source, what, allow_import, loader)
     try:
         program = torch.export.load(source)
         graph_module = program.module()
@@ -624,7 +688,8 @@ def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load
         raise LoadError(f"{source} could not be loaded ({error_summary(error)}).{versions}") from error
     graph_module.meta["graphopt_fp32_weights"] = fp32_weights
     report.notes.append(f"loaded from a file graphopt {metadata.get('graphopt_version')} wrote with torch {metadata.get('torch_version')}")
-    module = OptimizedModule(graph_module, report, original_keys=metadata["original_keys"], signature=signature)
+    runner = _engine_runner(source, metadata["engine"], members, graph_module, signature) if metadata.get("engine") is not None else None
+    module = OptimizedModule(graph_module, report, runner, original_keys=metadata["original_keys"], signature=signature)
     module.inference_mode = bool(metadata["inference_mode"])
     return module
 

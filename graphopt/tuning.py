@@ -12,11 +12,15 @@ inputs, on the target device:
    graph handed to torch.compile. Options the caller set explicitly are not tuned.
 2. Each candidate is built with `graphopt.optimize` (verified against the original: its
    error is measured, not assumed); candidates over the accuracy budget are rejected.
-3. The accurate candidates are timed together, interleaved (A B C A B C ...) after a
-   warm-up, median of rounds (`graphopt.timing.median_latencies`).
-4. The fastest wins; ``report.tune`` lists every candidate, its time and error, and why
-   the winner won. The captured graph with no passes is always a candidate, so the
-   result is never slower than eager beyond measurement noise.
+3. The accurate candidates are timed together after a warm-up, in rounds whose order
+   rotates (A B C, B C A, ...), until the fastest is clear of the runner-up beyond the
+   measurement noise or the rest of the budget is spent (`graphopt.timing.rank_latencies`:
+   the interval of the paired per-round ratios; other processes' CPU load is measured).
+4. The lowest median wins; ``report.tune`` lists every candidate, its time and error, and
+   why the winner won, flagging a "close" ranking (winner and runner-up as fast within the
+   noise) or a "disturbed" one (other processes kept the CPU busy: that choice is not
+   cached). The captured graph with no passes is always a candidate, so the result is
+   never slower than eager beyond measurement noise.
 
 ``tune_budget_s`` bounds the work: candidates are built likeliest winner first, building
 stops when half the budget is spent, and the expensive ones (compilation) are built only
@@ -32,7 +36,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,10 +45,11 @@ import torch
 import torch.nn as nn
 
 from graphopt import progress
+from graphopt.backends import EngineInfo
 from graphopt.errors import GraphoptError, error_summary
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import TuneCandidate, TuneReport
-from graphopt.timing import median_latencies
+from graphopt.timing import Ranking, rank_latencies, remeasure_requested
 
 # A low precision is a candidate only when the accuracy budget admits its documented error bound.
 LOW_PRECISION_BOUNDS = {"bf16": 3e-2, "fp16": 1e-2}
@@ -52,7 +57,7 @@ DEFAULT_BUDGET_S = 60.0
 COMPILE_BUDGET_S = 120.0  # below this budget, candidates that compile (fusion, torch.compile) are left out
 
 # The timer is a module attribute so that tests can replace it with a deterministic one.
-measure_latencies: Callable[[Mapping[str, Callable[[], Any]]], dict[str, float]] = median_latencies
+measure_latencies: Callable[..., Ranking] = rank_latencies
 
 _memory_cache: dict[str, dict[str, Any]] = {}
 
@@ -62,6 +67,7 @@ class Candidate:
     name: str
     options: dict[str, Any] = field(default_factory=dict)  # graphopt.optimize options
     compiles: bool = False
+    required: bool = False  # built whatever the budget: the reference, and the default call tune must not lose to
 
 
 def candidates(
@@ -73,6 +79,7 @@ def candidates(
     onednn: bool = False,
     emulated: Mapping[str, str] | None = None,
     int8: bool = False,
+    engines: Sequence[EngineInfo] = (),
 ) -> tuple[list[Candidate], list[TuneCandidate]]:
     """The candidates to build, and the ones left out with the reason.
 
@@ -86,7 +93,13 @@ def candidates(
     with the reason; they are left out (building and timing them would spend the budget on
     a sure loser). ``int8``: calibration batches were given, so int8 (channels_last, the
     layers over ``accuracy`` kept in float32) is a candidate, built first, unless explicit
-    options rule it out.
+    options rule it out. ``engines``: the engines other than PyTorch that may serve the model
+    (inference on the CPU): each in each precision it computes in and ``accuracy`` admits, built
+    right after the reference (the likeliest winners where a strong runtime exists), those that
+    compile only when the budget allows; one not installed is listed with the extra to install.
+    The default call itself (``optimize(model, inputs)``) is a candidate whenever no option is
+    fixed, built whatever the budget as the reference is, so that the result is never slower
+    than it beyond measurement noise.
     """
     has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
     layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
@@ -104,7 +117,14 @@ def candidates(
             left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=f"{low} errors reach {LOW_PRECISION_BOUNDS[low]:.0e} of the output scale, over accuracy={accuracy:.0e}"))
     if "precision" in fixed:
         precisions = [fixed["precision"]]
-    built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"})] if "passes" not in fixed else []
+    built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"}, required=True)] if "passes" not in fixed else []
+    engine_candidates, engines_left_out = _engine_candidates(fixed, precisions, engines, budget_s)
+    left_out += engines_left_out
+    if "engine" in fixed:  # only that engine is tuned, in its precisions
+        return engine_candidates, left_out
+    built += [candidate for candidate in engine_candidates if not candidate.compiles]
+    if not fixed:
+        built.append(Candidate("default call", {}, required=True))
     for precision in reversed(precisions):
         for layout in reversed(layouts):
             if onednn and layout == layouts[-1] and "passes" not in fixed and "fuse" not in fixed:
@@ -128,6 +148,26 @@ def candidates(
                 left_out.append(TuneCandidate(candidate.name, candidate.options, status="not built", reason=f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"))
             else:
                 built.append(candidate)
+    return built + [candidate for candidate in engine_candidates if candidate.compiles], left_out
+
+
+def _engine_candidates(fixed: Mapping[str, Any], precisions: list[str], engines: Sequence[EngineInfo], budget_s: float) -> tuple[list[Candidate], list[TuneCandidate]]:
+    """Each engine in each of ``precisions`` (lowest first) it computes in, and the engines left out with the reason."""
+    built, left_out = [], []
+    ruled_out = [name for name in ("memory_format", "passes", "fuse") if name in fixed]
+    for info in engines:
+        if "engine" in fixed and fixed["engine"] != info.name:
+            continue
+        options = {"engine": info.name}
+        reason = info.missing() or (f"explicit {', '.join(f'{name}=' for name in ruled_out)} rules engines out" if ruled_out else "")
+        if not reason and info.compiles and budget_s < COMPILE_BUDGET_S:
+            reason = f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"
+        if reason:
+            left_out.append(TuneCandidate(info.name, options, status="not built", reason=reason))
+            continue
+        for precision in reversed(precisions):
+            if precision in info.precisions:
+                built.append(Candidate(f"{info.name} {precision}", {**options, "precision": precision}, compiles=info.compiles))
     return built, left_out
 
 
@@ -168,11 +208,6 @@ def remember(key: str, entry: dict[str, Any]) -> None:
         pass  # an unwritable cache only costs a second measurement
 
 
-def _rounds(per_call_s: float, remaining_s: float) -> int:
-    """Timing rounds that fit the remaining budget: 3 at least (a median needs them), 20 at most."""
-    return int(max(3, min(20, remaining_s / max(per_call_s, 1e-6))))
-
-
 def tune(
     build: Callable[..., Any],
     model: nn.Module,
@@ -186,13 +221,14 @@ def tune(
     onednn: bool = False,
     emulated: Mapping[str, str] | None = None,
     int8: bool = False,
+    engines: Sequence[EngineInfo] = (),
 ) -> Any:
     """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
-    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated, int8)
+    todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated, int8, engines)
     # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
     considered = [(candidate.name, candidate.options) for candidate in todo]
     key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})
-    hit = cached(key)
+    hit = None if settings.get("remeasure") or remeasure_requested() else cached(key)  # remeasure=: tune again too
     if hit is not None:
         module = build(**hit["winner_options"])
         rows = [TuneCandidate(**row) for row in hit["candidates"]]
@@ -201,19 +237,16 @@ def tune(
     started = time.perf_counter()
     modules: dict[str, Any] = {}
     failures: list[Exception] = []
-    per_call = 0.0
     for candidate in progress.steps(todo, "tune: building", lambda candidate: candidate.name):
         row = TuneCandidate(candidate.name, candidate.options)
         rows.append(row)
-        if modules and time.perf_counter() - started > budget_s / 2:  # keep half the budget for timing
+        if modules and not candidate.required and time.perf_counter() - started > budget_s / 2:  # keep half the budget for timing
             row.status, row.reason = "not built", f"tune_budget_s={budget_s:.0f} spent on the candidates before it"
             continue
         building = time.perf_counter()
         try:
             module = build(**candidate.options)
-            first = time.perf_counter()
             module(*args)
-            per_call += time.perf_counter() - first
         except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
             row.status, row.reason = "failed", error_summary(error)
             failures.append(error)
@@ -231,24 +264,26 @@ def tune(
         raise GraphoptError(f"tune=True built no candidate ({'; '.join(f'{row.name}: {row.reason}' for row in rows)}): optimize without tune=True to see the error") from first
     remaining = max(budget_s - (time.perf_counter() - started), 0.0)
     runs = {name: (lambda module=module: module(*args)) for name, module in modules.items()}
-    latencies = measure_latencies(runs, rounds=_rounds(per_call, remaining), warmup=1)
+    ranking = measure_latencies(runs, budget_s=remaining)
     for row in rows:
-        if row.name in latencies:
-            row.status, row.seconds = "measured", latencies[row.name]
-    winner = min(latencies, key=latencies.__getitem__)
-    why = _why(winner, latencies, rows, accuracy)
-    report = TuneReport(winner, why, rows, accuracy, cache="miss", seconds=time.perf_counter() - started)
+        if row.name in ranking.medians:
+            row.status, row.seconds = "measured", ranking.medians[row.name]
+    winner = ranking.winner
+    why = _why(ranking, rows, accuracy)
+    report = TuneReport(winner, why, rows, accuracy, cache="miss", seconds=time.perf_counter() - started, ranking=ranking)
     chosen = modules[winner]
     chosen.graphopt_report.tune = report
-    remember(key, {"winner": winner, "winner_options": next(c.options for c in todo if c.name == winner), "why": why, "candidates": [asdict(r) for r in rows]})
+    if ranking.verdict != "disturbed":  # a choice timed while other processes held the CPU is made again next time
+        remember(key, {"winner": winner, "winner_options": next(c.options for c in todo if c.name == winner), "why": why, "candidates": [asdict(r) for r in rows]})
     return chosen
 
 
-def _why(winner: str, latencies: Mapping[str, float], rows: list[TuneCandidate], accuracy: float) -> str:
-    ranked = sorted(latencies, key=latencies.__getitem__)
+def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
+    latencies, winner = ranking.medians, ranking.winner
     baseline = latencies.get("captured graph, no passes", latencies[winner])
     error = next(row.max_error for row in rows if row.name == winner)
-    text = f"fastest of {len(ranked)} accurate candidates: {latencies[winner] * 1e3:.2f} ms, {baseline / latencies[winner]:.2f}x the graph with no passes"
-    if len(ranked) > 1:
-        text += f"; next {ranked[1]} at {latencies[ranked[1]] * 1e3:.2f} ms"
+    text = f"fastest of {len(latencies)} accurate candidates: {latencies[winner] * 1e3:.2f} ms, {baseline / latencies[winner]:.2f}x the graph with no passes"
+    if ranking.runner_up is not None:
+        text += f"; next {ranking.runner_up} at {latencies[ranking.runner_up] * 1e3:.2f} ms"
+    text += f"; timed {ranking.describe()}"
     return text + f"; error {error:.1e} within accuracy {accuracy:.0e}"

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import graphopt
-from graphopt import dynamic
+from graphopt import dynamic, timing
 from graphopt.passes import PassContext
 from graphopt.validate import SecondInputs
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
@@ -23,6 +23,20 @@ FRONTENDS = ("fx", "export")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured decisions (and tune's choices) are remembered in $GRAPHOPT_CACHE_DIR: each test gets an empty one,
+    never ~/.cache, so a decision one test's fake timer made is not another test's."""
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path_factory.mktemp("graphopt-cache")))
+    monkeypatch.delenv("GRAPHOPT_REMEASURE", raising=False)
+
+
+def measured_as(baseline_s: float, candidate_s: float, threshold: float = 1.0) -> timing.Comparison:
+    """What `graphopt.timing.compare_latency` returns when every round times ``baseline_s`` and ``candidate_s`` (fake timers)."""
+    rounds = timing.MIN_ROUNDS
+    return timing.Comparison.of([baseline_s] * rounds, [candidate_s] * rounds, threshold, foreign_cores=0.0)
 
 
 def model_state(model: nn.Module) -> tuple[Any, ...]:

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import cli
+from graphopt import cli, timing
 from graphopt.errors import GraphoptError
 from graphopt.pipeline import PRESETS, preset
+from tests.conftest import measured_as
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESNET = "graphopt.models:resnet_small"
@@ -549,10 +550,10 @@ def int8_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test times anything: int8 'measures' 2x faster than float32 (as on a CPU with VNNI), so the layers stay in int8."""
     quantize = importlib.import_module("graphopt.passes.quantize_int8")  # the package attribute is the pass function
 
-    def twice_as_fast(baseline: Callable[[], Any], candidate: Callable[[], Any], budget_s: float) -> tuple[float, float]:
+    def twice_as_fast(baseline: Callable[[], Any], candidate: Callable[[], Any], threshold: float, budget_s: float) -> timing.Comparison:
         baseline()
         candidate()
-        return 2.0, 1.0
+        return measured_as(2.0, 1.0, threshold)
 
     monkeypatch.setattr(quantize, "compare_latency", twice_as_fast)
 

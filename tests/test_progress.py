@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
-from graphopt import cli
+from graphopt import cli, timing
 
 
 def model() -> nn.Module:
@@ -30,7 +30,9 @@ def test_silent_when_not_a_terminal_or_when_told(capsys: pytest.CaptureFixture[s
 
 def test_tune_follows_the_setting(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(graphopt.tuning, "measure_latencies", lambda runs, rounds, warmup: {name: 1.0 + i for i, name in enumerate(runs)})
+    monkeypatch.setattr(
+        graphopt.tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1.0 + i] * timing.MIN_ROUNDS for i, name in enumerate(runs)})
+    )
     graphopt.optimize(model(), torch.randn(2, 3, 8, 8), tune=True, progress=True)
     assert "graphopt tune: building" in capsys.readouterr().err
 

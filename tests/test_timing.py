@@ -1,8 +1,14 @@
-"""compare_latency: interleaved medians; the warm-up round counts only for long calls."""
+"""graphopt.timing on a scripted clock: paired rounds in alternating order, the interval they stop on, the warm-up,
+the budget, foreign load, the ranking, and the decision cache. No test times anything: the clock moves only when a
+scripted call says so (tests/test_measurement.py runs the same code against a noisy machine)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+
 import pytest
+from scipy.stats import binom
 
 from graphopt import timing
 
@@ -17,13 +23,15 @@ class FakeClock:
         return self.now
 
 
-def timed_call(clock: FakeClock, seconds: list[float]) -> tuple[list[int], object]:
+def timed_call(clock: FakeClock, seconds: list[float], log: list[str] | None = None, name: str = "") -> tuple[list[int], Callable[[], None]]:
     """A call that takes ``seconds[i]`` on its i-th call (the last figure repeats), and its call counter."""
     calls = [0]
 
     def run() -> None:
         clock.now += seconds[min(calls[0], len(seconds) - 1)]
         calls[0] += 1
+        if log is not None:
+            log.append(name)
 
     return calls, run
 
@@ -32,25 +40,120 @@ def timed_call(clock: FakeClock, seconds: list[float]) -> tuple[list[int], objec
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(timing, "time", fake)
+    monkeypatch.setattr(timing, "psutil", None)  # no foreign load from the real machine in these figures
     return fake
+
+
+def test_rounds_alternate_the_order_and_stop_once_the_interval_is_clear(clock: FakeClock) -> None:
+    log: list[str] = []
+    baseline_calls, baseline = timed_call(clock, [0.1, 0.02], log, "A")  # a slow first call: not a sample
+    candidate_calls, candidate = timed_call(clock, [0.05, 0.01], log, "B")
+    result = timing.compare_latency(baseline, candidate, threshold=1.5, budget_s=100.0)
+    assert (result.baseline_s, result.candidate_s, result.ratio) == pytest.approx((0.02, 0.01, 2.0))
+    assert result.verdict == "clear" and result.faster and result.rounds == timing.MIN_ROUNDS
+    assert baseline_calls == candidate_calls == [1 + timing.MIN_ROUNDS], "the warm-up, then the fewest rounds with a finite interval"
+    assert log[2:8] == ["A", "B", "B", "A", "A", "B"], "each round after the warm-up swaps the order"
+    assert result.foreign_cores is None and "not measured (psutil is not installed)" in result.describe()
 
 
 def test_long_calls_count_the_warm_up_round(clock: FakeClock) -> None:
     baseline_calls, baseline = timed_call(clock, [2.0])
     candidate_calls, candidate = timed_call(clock, [1.2, 1.0])
-    assert timing.compare_latency(baseline, candidate) == pytest.approx((2.0, 1.0))
-    assert baseline_calls == candidate_calls == [3], "three rounds, the first of them the warm-up"
+    result = timing.compare_latency(baseline, candidate, budget_s=1.0)
+    assert baseline_calls == candidate_calls == [timing.MIN_ROUNDS], "the warm-up is the first round; the budget cannot cut the minimum"
+    assert result.rounds == timing.MIN_ROUNDS and result.ratio == pytest.approx(2.0)  # the median ignores the first 1.2 s
 
 
-def test_short_calls_leave_the_warm_up_out_and_fill_the_budget(clock: FakeClock) -> None:
-    baseline_calls, baseline = timed_call(clock, [0.1, 0.02])  # a slow first call: not a sample
-    candidate_calls, candidate = timed_call(clock, [0.05, 0.01])
-    assert timing.compare_latency(baseline, candidate, budget_s=2.0) == pytest.approx((0.02, 0.01))
-    assert baseline_calls == candidate_calls == [1 + 13], "the warm-up, then 2 s / 0.15 s per round = 13 rounds"
+def test_a_candidate_as_fast_as_the_threshold_is_close_and_measured_until_the_budget_is_spent(clock: FakeClock) -> None:
+    # per-round ratios alternate 0.8x and 1.25x around 1.0: no interval clears it however many rounds
+    baseline_calls, baseline = timed_call(clock, [0.01] * 200)
+    candidate_calls, candidate = timed_call(clock, [0.01] + [0.0125, 0.008] * 100)
+    result = timing.compare_latency(baseline, candidate, threshold=1.0, budget_s=0.5)
+    assert result.verdict == "close" and not result.faster
+    assert result.low < 1.0 < result.high and result.noise > 0.1
+    # ~0.02 s per round: the warm-up and rounds while the next one still ends within 0.5 s
+    assert clock.now <= 0.5 and baseline_calls[0] == candidate_calls[0] == 1 + result.rounds and result.rounds >= 20
+    assert "within the measurement noise" in result.concern()
 
 
-def test_the_warm_up_counts_only_when_both_calls_are_long(clock: FakeClock) -> None:
-    baseline_calls, baseline = timed_call(clock, [1.0])
-    candidate_calls, candidate = timed_call(clock, [0.4, 0.3])
-    assert timing.compare_latency(baseline, candidate) == pytest.approx((1.0, 0.3))
-    assert baseline_calls == candidate_calls == [1 + 3]
+def test_cheap_calls_stop_at_the_round_limit(clock: FakeClock) -> None:
+    _, baseline = timed_call(clock, [1e-4])
+    _, candidate = timed_call(clock, [1e-4] + [1.25e-4, 0.8e-4] * 100)
+    assert timing.compare_latency(baseline, candidate, budget_s=100.0).rounds == timing.MAX_ROUNDS
+
+
+def test_a_clearly_slower_candidate_is_clear_and_not_faster(clock: FakeClock) -> None:
+    _, baseline = timed_call(clock, [0.01])
+    _, candidate = timed_call(clock, [0.03])
+    result = timing.compare_latency(baseline, candidate, threshold=1.02)
+    assert result.verdict == "clear" and not result.faster and result.high < 1.02 and result.rounds == timing.MIN_ROUNDS
+
+
+@pytest.mark.parametrize("count", [*range(1, 60), 200])
+def test_the_median_interval_is_the_widest_cut_that_keeps_its_confidence(count: int) -> None:
+    low, high = timing.median_interval(list(range(1, count + 1)))  # values 1..n: the interval names its order statistics
+    if count < timing.MIN_ROUNDS:
+        assert (low, high) == (-math.inf, math.inf)
+        return
+    cut = low
+    assert high == count + 1 - cut, "symmetric"
+    coverage = 1 - 2 * binom.cdf(cut - 1, count, 0.5)
+    assert coverage >= timing.CONFIDENCE > 1 - 2 * binom.cdf(cut, count, 0.5), "the interval one value narrower would not hold"
+
+
+def test_the_ranking_rotates_the_order_and_stops_when_the_winner_is_clear(clock: FakeClock) -> None:
+    log: list[str] = []
+    variants = {name: timed_call(clock, [seconds], log, name)[1] for name, seconds in (("a", 0.03), ("b", 0.01), ("c", 0.02))}
+    ranking = timing.rank_latencies(variants, budget_s=100.0)
+    assert (ranking.winner, ranking.runner_up, ranking.verdict) == ("b", "c", "clear")
+    assert ranking.medians == pytest.approx({"a": 0.03, "b": 0.01, "c": 0.02}) and ranking.ratio == pytest.approx(2.0)
+    assert ranking.rounds == timing.MIN_ROUNDS and log[3:9] == ["a", "b", "c", "b", "c", "a"]
+
+
+def test_a_ranking_of_equals_is_close_within_its_budget(clock: FakeClock) -> None:
+    calls_a, a = timed_call(clock, [0.01] + [0.0125, 0.008] * 100)
+    calls_b, b = timed_call(clock, [0.01])
+    ranking = timing.rank_latencies({"a": a, "b": b}, budget_s=0.3)
+    assert ranking.verdict == "close" and "as fast within the measurement noise" in ranking.concern()
+    assert clock.now <= 0.3 and calls_a == calls_b == [1 + ranking.rounds]
+
+
+def test_foreign_load_is_system_busy_time_minus_our_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings: dict[str, Iterator[float]] = {"busy": iter([100.0, 103.0]), "own": iter([10.0, 11.0]), "clock": iter([0.0, 2.0])}
+    monkeypatch.setattr(timing, "_busy_seconds", lambda: next(readings["busy"]))
+    monkeypatch.setattr(timing, "_own_seconds", lambda: next(readings["own"]))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(readings["clock"]))
+    with timing.ForeignLoad() as probe:
+        pass
+    assert probe.cores == pytest.approx(1.0)  # (3 busy - 1 ours) on the fake clock's 2 units
+
+
+def test_over_the_limit_of_foreign_load_the_verdict_is_disturbed_whatever_the_interval() -> None:
+    quiet = timing.Comparison.of([2.0] * 8, [1.0] * 8, 1.02, foreign_cores=timing.FOREIGN_LOAD_LIMIT)
+    busy = timing.Comparison.of([2.0] * 8, [1.0] * 8, 1.02, foreign_cores=timing.FOREIGN_LOAD_LIMIT + 0.01)
+    assert (quiet.verdict, busy.verdict) == ("clear", "disturbed")
+    assert busy.faster, "the interval still decides; the verdict says not to trust it beyond this run"
+    assert "cores busy on average" in busy.concern() and quiet.concern() == ""
+
+
+def test_only_clear_decisions_are_remembered_and_a_later_unclear_one_forgets(clock: FakeClock, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    clear = timing.Comparison.of([2.0] * 8, [1.0] * 8, 1.02, foreign_cores=0.0)
+    close = timing.Comparison.of([1.0, 1.1] * 4, [1.1, 1.0] * 4, 1.02, foreign_cores=0.0)
+    key = timing.decision_key("a pass", [1, 2, 3])
+    assert timing.remembered(key) is None
+    timing.remember(key, close)
+    assert timing.remembered(key) is None and not (tmp_path / "measured.json").exists()
+    timing.remember(key, clear)
+    assert timing.remembered(key) == clear
+    assert timing.decision_key("a pass", [1, 2, 4]) != key and timing.remembered(timing.decision_key("a pass", [1, 2, 4])) is None
+    timing.remember(key, close)
+    assert timing.remembered(key) is None, "a measurement that is no longer clear drops the old decision"
+    (tmp_path / "measured.json").write_text("{not json")
+    assert timing.remembered(key) is None  # a damaged cache costs a measurement, not a crash
+
+
+def test_the_cpu_is_part_of_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = timing.decision_key("a pass")
+    monkeypatch.setattr(timing, "cpu_signature", lambda: ["model name: another CPU"])
+    assert timing.decision_key("a pass") != key

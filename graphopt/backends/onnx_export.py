@@ -154,6 +154,25 @@ def _rename(program: Any, args: tuple[Any, ...], dynamic: Dims, outputs: list[st
                 value.name = name
 
 
+def onnx_program(
+    module: nn.Module | torch.export.ExportedProgram,
+    args: tuple[Any, ...],
+    dynamic: Dims,
+    opset: int | None = None,
+    outputs: list[str] | None = None,
+) -> torch.onnx.ONNXProgram:
+    """torch.onnx.export (dynamo) of ``module``, or of a program torch.export already made from it on ``args``, with
+    readable dimension and output names (`_rename`). Raises the exporter's own error."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter, not the user's concern
+        program = torch.onnx.export(
+            module, args, dynamo=True, dynamic_shapes=auto_spec(args, dynamic), opset_version=opset, verbose=False
+        )
+    assert program is not None
+    _rename(program, args, dynamic, outputs)
+    return program
+
+
 def _export(
     module: nn.Module,
     args: tuple[Any, ...],
@@ -163,16 +182,8 @@ def _export(
     external_data: bool | None = None,
     outputs: list[str] | None = None,
 ) -> None:
-    """torch.onnx.export (dynamo) of ``module`` to ``destination``, with readable dimension and output names (`_rename`);
-    external data when asked or over 2 GB."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter, not the user's concern
-        program = torch.onnx.export(
-            module, args, dynamo=True, dynamic_shapes=auto_spec(args, dynamic), opset_version=opset, verbose=False
-        )
-    assert program is not None
-    _rename(program, args, dynamic, outputs)
-    program.save(destination, external_data=external_data)
+    """`onnx_program` of ``module`` saved to ``destination``; external data when asked or over 2 GB."""
+    onnx_program(module, args, dynamic, opset, outputs).save(destination, external_data=external_data)
 
 
 def _node_counts(path: Path) -> tuple[dict[str, int], int]:

@@ -28,9 +28,10 @@ in the same process and threads, in fp32 and in the run's low precision (a squar
 ``torch.mm``, median of timed calls). A variant's roofline fraction is its achieved FLOP/s
 over the rate of its precision class (`graphopt.bench.results`).
 
-Foreign load: the CPU time of other processes while timing is measured from the
-system's and this process's CPU counters; above a quarter of a core on average, the
-model's results carry a warning, as does a busy machine at the start (load average).
+Foreign load: the CPU time of other processes while timing (`graphopt.timing.ForeignLoad`,
+the measurement ``optimize``'s measured decisions use too); above
+`graphopt.timing.FOREIGN_LOAD_LIMIT` cores on average, the model's results carry a warning, as
+does a busy machine at the start (load average).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt.bench.results import FOREIGN_CPU_WARNING, BenchResult, ModelResult, VariantResult
 from graphopt.bench.variants import LOW_PRECISIONS, Runner, Setup, Variant, VariantSkipped
-from graphopt.timing import interleaved_samples, wall_clock_seconds
+from graphopt.timing import ForeignLoad, interleaved_samples, wall_clock_seconds
 
 try:
     import psutil
@@ -167,42 +168,12 @@ def memory_method(device: torch.device) -> str:
             "(torch's allocations only: onnxruntime's are not counted)"
         )
     if psutil is None:
-        return "not measured: psutil is not installed (pip install 'graphopt[bench]')"
+        return "not measured: psutil is not installed (pip install psutil)"
     return (
         "growth of the process's resident memory (RSS, sampled every 1 ms) over building, first call and warm-up "
         "of the variant, after freed memory was returned to the OS; a lower bound, since memory freed by earlier "
         "variants and kept by the allocator is reused without showing"
     )
-
-
-class _ForeignCpu:
-    """Average number of cores other processes kept busy inside a ``with`` block (None without psutil)."""
-
-    cores: float | None = None
-
-    def __enter__(self) -> _ForeignCpu:
-        if psutil is not None:
-            self._start = (_busy_seconds(), _own_seconds(), time.perf_counter())
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if psutil is None:
-            return
-        busy, own, started = self._start
-        wall = time.perf_counter() - started
-        if wall > 0:
-            self.cores = max(0.0, ((_busy_seconds() - busy) - (_own_seconds() - own)) / wall)
-
-
-def _busy_seconds() -> float:
-    """CPU seconds all cores spent on anything but idling (guest time is already counted as user time)."""
-    times = psutil.cpu_times()._asdict()
-    return sum(value for name, value in times.items() if name not in ("idle", "iowait", "guest", "guest_nice"))
-
-
-def _own_seconds() -> float:
-    times = psutil.Process().cpu_times()
-    return times.user + times.system + times.children_user + times.children_system
 
 
 def _cpu_name() -> str:
@@ -386,7 +357,7 @@ class Harness:
                 "figures may be distorted; rerun on a quiet machine"
             )
         if psutil is None:
-            result.warnings.append("foreign CPU load not measured: psutil is not installed (pip install 'graphopt[bench]')")
+            result.warnings.append("foreign CPU load not measured: psutil is not installed (pip install psutil)")
         return result
 
     def run_model(self, spec: BenchModel) -> ModelResult:
@@ -469,7 +440,7 @@ class Harness:
         while runners:
             guarded = {key: _guarded(key, run) for key, run in runners.items()}
             try:
-                with _ForeignCpu() as foreign:
+                with ForeignLoad() as foreign:
                     samples = interleaved_samples(guarded, rounds=self.rounds, warmup=0, measure=self.measure)
             except _CallFailed as failure:
                 outcomes[failure.key].status, outcomes[failure.key].reason = "failed", failure.reason

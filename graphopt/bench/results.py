@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FOREIGN_CPU_WARNING = 0.25  # cores kept busy by other processes while timing, on average
+from graphopt.timing import FOREIGN_LOAD_LIMIT
+
+FOREIGN_CPU_WARNING = FOREIGN_LOAD_LIMIT  # cores kept busy by other processes while timing, on average: as optimize's measurements
 EXACT_CLASS_ERROR = 1e-4  # a larger max error (relative to the output's scale) puts a variant in the low-precision class
 CLASSES = ("exact", "low", "int8")  # int8: the variants that quantize to int8, whatever their error
 # Any x86-64 or Arm server core of the last decade multiplies fp32 matrices at 10+ GFLOP/s per thread, even on

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
+from graphopt.backends.openvino_engine import core as openvino_core
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.quiet import FOREIGN_LOG_MESSAGES, TORCHAO_IMPORT_MESSAGES, log_messages_dropped
 
@@ -123,16 +124,24 @@ def _eager(*, channels_last: bool = False, autocast: bool = False) -> Callable[[
 
 def _torch_compile(*, channels_last: bool = False, autocast: bool = False, freezing: bool = False) -> Callable[[Setup], Runner]:
     """torch.compile (Inductor); ``freezing``: Inductor's recommended CPU inference setting (weights folded in as
-    constants, conv-BN folded, oneDNN weights prepacked, post-ops fused). The option goes in as the compiled
-    function's own backend option: a process-wide ``config.patch`` would let Dynamo reuse another variant's
-    compiled code for the same model."""
+    constants, conv-BN folded, oneDNN weights prepacked, post-ops fused).
+
+    Freezing is set process-wide while the first call compiles, under ``torch.inference_mode`` as the harness
+    runs it: Dynamo reads the setting when it traces (as a compile option, ``options={"freezing": True}``,
+    only Inductor sees it, after the weights became graph inputs, and nothing is frozen). The model is a
+    private copy, so no other variant's compiled code for the same model is reused."""
 
     def build(setup: Setup) -> Runner:
         model, inputs = setup.model, setup.inputs
+        if channels_last or freezing:
+            model = copy.deepcopy(model)
         if channels_last:
-            model, inputs = copy.deepcopy(model).to(memory_format=torch.channels_last), _channels_last(inputs)
-        compiled = torch.compile(model, options={"freezing": True}) if freezing else torch.compile(model)
-        return _call(compiled, inputs, setup, autocast)
+            model, inputs = model.to(memory_format=torch.channels_last), _channels_last(inputs)
+        run = _call(torch.compile(model), inputs, setup, autocast)
+        if freezing:
+            with torch._inductor.config.patch(freezing=True), torch.inference_mode():
+                run()  # compiles now, frozen
+        return run
 
     return build
 
@@ -212,7 +221,7 @@ def _onnxruntime(*, graphopt_export: bool) -> Callable[[Setup], Runner]:
 
 def _openvino(*, precision: str | None) -> Callable[[Setup], Runner]:
     """OpenVINO's CPU plugin on the model converted by ``openvino.convert_model``, with the latency hint on the
-    torch variants' threads. ``precision=None``: the plugin's default, bf16 on CPUs with native bf16 (AVX-512
+    torch variants' threads, compiled by graphopt's one OpenVINO Core (see `openvino_engine.core`). ``precision=None``: the plugin's default, bf16 on CPUs with native bf16 (AVX-512
     BF16, AMX), else f32; ``"f32"``: float32 throughout."""
 
     def build(setup: Setup) -> Runner:
@@ -228,7 +237,7 @@ def _openvino(*, precision: str | None) -> Callable[[Setup], Runner]:
         config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
         if precision is not None:
             config["INFERENCE_PRECISION_HINT"] = precision
-        compiled = openvino.Core().compile_model(converted, "CPU", config)
+        compiled = openvino_core().compile_model(converted, "CPU", config)
         request = compiled.create_infer_request()
         feeds = {index: tensor.numpy() for index, tensor in enumerate(setup.inputs)}
         return lambda: tuple(request.infer(feeds).values())
@@ -251,7 +260,7 @@ def _openvino_int8(setup: Setup) -> Runner:
         feeds = [{index: tensor.numpy() for index, tensor in enumerate(batch)} for batch in setup.calibration]
         quantized = nncf.quantize(converted, nncf.Dataset(feeds), subset_size=len(feeds))
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
-    request = openvino.Core().compile_model(quantized, "CPU", config).create_infer_request()
+    request = openvino_core().compile_model(quantized, "CPU", config).create_infer_request()
     inputs = {index: tensor.numpy() for index, tensor in enumerate(setup.inputs)}
     return lambda: tuple(request.infer(inputs).values())
 
@@ -318,6 +327,12 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
             "graphopt-low-cl-graph", f"graphopt {low} + CL + torch.compile", memory_format="channels_last", precision="low", fuse="graph"
         ),
         _graphopt_variant("graphopt-tune", "graphopt tuned (accuracy 3e-2)", tune=True, accuracy=3e-2),
+        _graphopt_variant("graphopt-tune-exact", "graphopt tuned (exact)", tune=True),
+        _graphopt_variant("graphopt-openvino", 'graphopt engine="openvino" fp32', engine="openvino"),
+        _graphopt_variant("graphopt-openvino-low", f'graphopt engine="openvino" {low}', engine="openvino", precision="low"),
+        _graphopt_variant("graphopt-ort", 'graphopt engine="onnxruntime"', engine="onnxruntime"),
+        _graphopt_variant("graphopt-inductor", 'graphopt engine="inductor" fp32', engine="inductor"),
+        _graphopt_variant("graphopt-inductor-low", f'graphopt engine="inductor" {low}', engine="inductor", precision="low"),
         _graphopt_variant("graphopt-int8", 'graphopt precision="int8"', "int8", precision="int8"),
         # the output error the int8 peers reach on the anchors (7e-2 to 1.4e-1 measured), instead of the default 5e-2
         _graphopt_variant("graphopt-int8-1e-1", 'graphopt precision="int8", accuracy=1e-1', precision="int8", accuracy=1e-1),

@@ -31,6 +31,7 @@ class PassContext:
     example_inputs: tuple[Any, ...] = field(default_factory=tuple)
     keep_channels_last_outputs: bool = False  # to_channels_last: leave 4-D outputs in channels_last
     measure: bool = False  # keep a `measured` pass only if the graph runs faster with it
+    remeasure: bool = False  # measure again instead of reusing a decision remembered on this machine (also GRAPHOPT_REMEASURE=1)
     precision: torch.dtype | None = None  # use_low_precision: the low dtype (bf16/fp16)
     low_precision_ops: frozenset[str] = frozenset()  # use_low_precision: op families run in `precision`
     fp32_ops: frozenset[str] = frozenset()  # use_low_precision: op families kept in fp32

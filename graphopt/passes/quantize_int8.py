@@ -26,14 +26,15 @@ in int8, its error alone, and why it was kept.
 Speed: int8 is only worth its error where it is faster. On CPUs without int8 dot products
 (no VNNI/AMX, `graphopt.runtime.int8.has_int8_dot_products`), where int8 convolutions run
 about as fast as float32's, each layer within the budget alone is timed on its input from
-the example inputs, int8 (its input quantized) against its float32 kernel, interleaved
-(`graphopt.timing.compare_latency`, about `LAYER_TIMING_BUDGET_S` each); one not at least
-`MIN_MEASURED_GAIN` times faster stays in float32, with both times in the report, before
+the example inputs, int8 (its input quantized) against its float32 kernel, in paired rounds
+(`graphopt.timing.compare_latency`, at most about `LAYER_TIMING_BUDGET_S` each); one not clearly
+`MIN_MEASURED_GAIN` times faster (beyond the measurement noise) stays in float32, with both times in the report, before
 the layers share the budget. With them the kernels are about twice as fast, and a layer
 timed alone, reading and writing float32, says little about it in the graph, where int8
 layers pass uint8 to each other (below). Either way, once the layers are chosen the whole
-graph is timed, int8 layers against float32 (about `GRAPH_TIMING_BUDGET_S`): int8 stays only
-if the graph is `MIN_MEASURED_GAIN` times faster, and the report gives both times.
+graph is timed, int8 layers against float32 (at most about `GRAPH_TIMING_BUDGET_S`): int8 stays only
+if the graph is clearly `MIN_MEASURED_GAIN` times faster, and the report gives both times (and says
+when the measurement was close or disturbed by other processes' load).
 
 A conv's residual add (then a ReLU, or nothing) runs in its int8 kernel (oneDNN's sum
 post-op, accumulating into the other operand). Then an int8 layer whose every reader is an
@@ -64,7 +65,7 @@ from graphopt.passes.base import MIN_MEASURED_GAIN, PassContext, PassResult, fin
 from graphopt.report import PassReport
 from graphopt.runtime.int8 import Int8Conv, Int8Linear, Int8Op, activation_levels, has_int8_dot_products
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
-from graphopt.timing import compare_latency
+from graphopt.timing import Comparison, compare_latency
 
 LAYER_TIMING_BUDGET_S = 0.2  # seconds spent timing one layer, int8 against float32 (CPUs without int8 dot products)
 GRAPH_TIMING_BUDGET_S = 2.0  # seconds spent timing the graph with its int8 layers against the float32 graph
@@ -81,7 +82,7 @@ class Layer:
     accum_observer: HistogramObserver | None  # of the tensor a conv + add adds into
     int8_module: Int8Op | None = None
     error: float = 0.0  # the output's error with this layer alone in int8
-    times: tuple[float, float] | None = None  # seconds of its float32 and its int8 kernel on the example
+    times: Comparison | None = None  # its float32 kernel (baseline) against its int8 one on the example
     reason: str | None = None  # why it stays in float32
 
 
@@ -146,15 +147,17 @@ def _use(gm: fx.GraphModule, layer: Layer, int8: bool) -> None:
     set_attr(gm, layer.path, layer.int8_module if int8 else layer.float_module)
 
 
-def _speedups(gm: fx.GraphModule, layers: list[Layer], args: tuple[Any, ...]) -> dict[Layer, tuple[float, float]]:
-    """(float32 seconds, int8 seconds) of each layer on its input from a run of ``args``."""
-    timed: dict[Layer, tuple[float, float]] = {}
+def _speedups(gm: fx.GraphModule, layers: list[Layer], args: tuple[Any, ...]) -> dict[Layer, Comparison]:
+    """Each layer's float32 kernel against its int8 one, on its input from a run of ``args``."""
+    timed: dict[Layer, Comparison] = {}
 
     def time_on_input(layer: Layer) -> Any:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
             int8 = layer.int8_module
             assert int8 is not None
-            timed[layer] = compare_latency(lambda: module.forward(*inputs), lambda: int8(*inputs), budget_s=LAYER_TIMING_BUDGET_S)
+            timed[layer] = compare_latency(
+                lambda: module.forward(*inputs), lambda: int8(*inputs), threshold=MIN_MEASURED_GAIN, budget_s=LAYER_TIMING_BUDGET_S
+            )
 
         return hook
 
@@ -168,8 +171,8 @@ def _speedups(gm: fx.GraphModule, layers: list[Layer], args: tuple[Any, ...]) ->
     return timed
 
 
-def _graph_times(gm: fx.GraphModule, chosen: list[Layer], args: tuple[Any, ...]) -> tuple[float, float]:
-    """(float32 seconds, int8 seconds) of a call of the graph on ``args``: every chosen layer in float32, then in int8."""
+def _graph_times(gm: fx.GraphModule, chosen: list[Layer], args: tuple[Any, ...]) -> Comparison:
+    """A call of the graph on ``args`` with every chosen layer in float32 (baseline) against all of them in int8."""
 
     def run(int8: bool) -> None:
         for layer in chosen:
@@ -178,7 +181,7 @@ def _graph_times(gm: fx.GraphModule, chosen: list[Layer], args: tuple[Any, ...])
 
     try:
         with torch.no_grad(), verify.isolated(gm):
-            return compare_latency(lambda: run(False), lambda: run(True), budget_s=GRAPH_TIMING_BUDGET_S)
+            return compare_latency(lambda: run(False), lambda: run(True), threshold=MIN_MEASURED_GAIN, budget_s=GRAPH_TIMING_BUDGET_S)
     finally:
         for layer in chosen:
             _use(gm, layer, True)
@@ -240,10 +243,17 @@ def _unchain(chosen: list[Layer]) -> None:
             module.accum_quantization = None
 
 
-def _speed(times: tuple[float, float], what: str) -> str:
-    """``1.20x <what> on the example (2.00 ms against 2.40 ms)`` from (float32 seconds, int8 seconds)."""
-    float_s, int8_s = times
-    return f"{float_s / int8_s:.2f}x {what} on the example ({int8_s * 1e3:.2f} ms against {float_s * 1e3:.2f} ms)"
+def _speed(times: Comparison, what: str) -> str:
+    """``1.20x <what> on the example (2.00 ms against 2.40 ms)``, flagged when the measurement was close or disturbed."""
+    flag = "" if times.verdict == "clear" else f", {times.verdict}: {times.concern()}"
+    return f"{times.ratio:.2f}x {what} on the example ({times.candidate_s * 1e3:.2f} ms against {times.baseline_s * 1e3:.2f} ms{flag})"
+
+
+def _too_slow(times: Comparison) -> str:
+    """Why int8 stays out at this speed."""
+    if times.high < MIN_MEASURED_GAIN:
+        return f"int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+    return f"int8 stays only clearly {MIN_MEASURED_GAIN:.2f}x faster or more, beyond the measurement noise; float32 is the default"
 
 
 def _kind(layer: Layer) -> str:
@@ -291,8 +301,8 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         fast = [layer for layer in layers if layer.reason is None]
         for layer, times in _speedups(gm, fast, ctx.example_inputs).items():
             layer.times = times
-            if times[0] < MIN_MEASURED_GAIN * times[1]:
-                layer.reason = f"int8 measured {_speed(times, 'its float32 kernel')}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+            if not times.faster:
+                layer.reason = f"int8 measured {_speed(times, 'its float32 kernel')}; {_too_slow(times)}"
 
     # the chosen layers in int8, passing uint8 where they can; while over the budget, the worst goes back to float32
     chosen = sorted((layer for layer in layers if layer.reason is None), key=lambda layer: layer.error)
@@ -311,13 +321,13 @@ def quantize_int8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         chained = _chain(chosen)
         total = _error(gm, checks) if chosen else 0.0
     if chosen:
-        float_s, int8_s = _graph_times(gm, chosen, ctx.example_inputs)
-        speed = _speed((float_s, int8_s), "the float32 graph")
-        if float_s < MIN_MEASURED_GAIN * int8_s:
+        graph_times = _graph_times(gm, chosen, ctx.example_inputs)
+        speed = _speed(graph_times, "the float32 graph")
+        if not graph_times.faster:
             _unchain(chosen)
             for layer in chosen:
                 _use(gm, layer, False)
-                layer.reason = f"the graph with its int8 layers measured {speed}; int8 stays only {MIN_MEASURED_GAIN:.2f}x faster or more"
+                layer.reason = f"the graph with its int8 layers measured {speed}; {_too_slow(graph_times)}"
             report.notes.append(f"int8 left out: with its {len(chosen)} int8 layers the graph measured {speed}")
             chosen, chained, total = [], [], 0.0
         else:

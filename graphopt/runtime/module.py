@@ -79,6 +79,10 @@ class OptimizedModule(nn.Module):
     - ``.double()``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.to(dtype)`` and ``.type()`` raise
       `ModeSwitchError` where they would change a stored tensor's dtype (the graph was optimized
       and verified in its dtypes); ``.to(device)`` and casts that change nothing work as on any module.
+    - ``engine=`` other than PyTorch (``graphopt_report.engine``): forward runs the engine's compiled
+      model (``runner``), which holds its own copy of the weights; ``graph_module`` stays the verified graph it
+      was built from, for inspection and saving. Loading weights, ``.to(another device)`` and ``.train()``
+      raise `ModeSwitchError` (the engine would go on computing with the old ones): optimize again.
     - Checkpoints: ``parameter_map`` says what became of each original key that a pass
       removed or rewrote; ``load_original_state_dict`` loads a checkpoint of the original
       model (re-applying the passes' changes); ``original_state_dict`` gives this
@@ -143,8 +147,15 @@ class OptimizedModule(nn.Module):
     # Casts of the stored tensors: the graph's kernels, constants and verification are for the dtypes it was
     # optimized in, so a cast would break later calls (or compute unverified). A move to another device, and a
     # cast to the dtypes the module already has, go through.
+    @property
+    def runner(self) -> nn.Module:
+        """What forward calls: the graph module, its torch.compile'd form (``fuse="graph"``) or an engine's runner."""
+        return self._runner
+
     def to(self, *args: Any, **kwargs: Any) -> OptimizedModule:
-        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]  # how nn.Module.to reads its arguments
+        device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]  # how nn.Module.to reads its arguments
+        if device is not None and any(t.device != device for t in [*self.parameters(), *self.buffers()]):
+            self._check_engine_weights(f".to({device})")
         if dtype is not None and (dtype.is_floating_point or dtype.is_complex):  # others: nn.Module.to says it takes none
             self._check_cast(dtype, f".to({str(dtype)})", complex_too=True)
         return super().to(*args, **kwargs)
@@ -263,10 +274,24 @@ class OptimizedModule(nn.Module):
         ]
         if mismatched:  # checked before anything is loaded: a refused checkpoint leaves the module as it was
             raise CheckpointError(f"the checkpoint's tensors do not fit this model ({', '.join(mismatched[:3])}): {advice}")
+        self._check_engine_weights("load_original_state_dict()")
         self.load_state_dict({key: value for key, value in converted.items() if key in own})
         fp32_weights = self.graph_module.meta.get("graphopt_fp32_weights", {})
         for name in fp32_weights.keys() & converted.keys():  # the fp32 values behind the low-precision copies just loaded
             fp32_weights[name] = converted[name].detach().clone()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        self._check_engine_weights("load_state_dict()")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _check_engine_weights(self, call: str) -> None:
+        """Refuse ``call`` (new weights, another device) where an engine compiled the weights in: it would ignore them."""
+        engine = self.graphopt_report.engine
+        if engine is not None:
+            raise ModeSwitchError(
+                f"{call}: this module runs on engine={engine.name!r}, which compiled its own copy of the weights and runs on the "
+                "CPU: the change would not reach it. Load the weights into the original model and optimize it again."
+            )
 
     def original_state_dict(self) -> dict[str, torch.Tensor]:
         """This module's state with the original model's keys, for ``original_model.load_state_dict``.

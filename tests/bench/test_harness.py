@@ -6,7 +6,7 @@ and ratios are checked exactly; no test depends on how fast anything runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import threading
@@ -62,7 +62,6 @@ def unit_clock(run: Runner) -> float:
     return 1.0
 
 
-REAL_FOREIGN_CPU = harness._ForeignCpu
 REAL_MATMUL_GFLOPS = harness.matmul_gflops
 
 
@@ -85,11 +84,11 @@ def fixed_matmul_rates(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
 def no_foreign_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Other test processes must not add load warnings to results checked here (one test sets its own)."""
 
-    class Quiet(harness._ForeignCpu):
+    class Quiet(harness.ForeignLoad):
         def __exit__(self, *exc_info: object) -> None:
             self.cores = 0.0
 
-    monkeypatch.setattr(harness, "_ForeignCpu", Quiet)
+    monkeypatch.setattr(harness, "ForeignLoad", Quiet)
 
 
 def test_rounds_are_interleaved_and_ratios_are_per_round() -> None:
@@ -295,26 +294,15 @@ def test_relative_error_is_relative_to_the_output_scale() -> None:
 
 
 def test_foreign_load_while_timing_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Busy(harness._ForeignCpu):
+    class Busy(harness.ForeignLoad):
         def __exit__(self, *exc_info: object) -> None:
             self.cores = FOREIGN_CPU_WARNING + 1.0
 
-    monkeypatch.setattr(harness, "_ForeignCpu", Busy)
+    monkeypatch.setattr(harness, "ForeignLoad", Busy)
     log: list[str] = []
     result = quiet_harness([stub("a", log, role="baseline")], rounds=1, measure=unit_clock).run_model(TINY)
     assert result.foreign_cpu == FOREIGN_CPU_WARNING + 1.0
     assert len(result.warnings) == 1 and "other processes kept 1.25 cores busy" in result.warnings[0]
-
-
-def test_foreign_cpu_is_system_busy_time_minus_our_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("psutil")
-    readings: dict[str, Iterator[float]] = {"busy": iter([100.0, 103.0]), "own": iter([10.0, 11.0]), "clock": iter([0.0, 2.0])}
-    monkeypatch.setattr(harness, "_busy_seconds", lambda: next(readings["busy"]))
-    monkeypatch.setattr(harness, "_own_seconds", lambda: next(readings["own"]))
-    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(readings["clock"]))
-    with REAL_FOREIGN_CPU() as probe:
-        pass
-    assert probe.cores == pytest.approx(1.0)  # (3 busy - 1 ours) on the fake clock's 2 units
 
 
 def test_the_machine_busy_at_start_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:

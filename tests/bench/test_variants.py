@@ -39,7 +39,7 @@ def test_keys_are_unique_and_every_role_is_known() -> None:
 # torch.compile takes seconds per model even this small, and graphopt's export checks the file in onnxruntime
 SLOW = {
     "compile", "compile-amp-cl", "compile-freeze-cl", "compile-freeze-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse",
-    "graphopt-low-cl-graph", "graphopt-tune", "openvino-int8", "pt2e-int8",
+    "graphopt-low-cl-graph", "graphopt-tune", "graphopt-tune-exact", "graphopt-inductor", "graphopt-inductor-low", "openvino-int8", "pt2e-int8",
 }  # fmt: skip
 
 
@@ -58,7 +58,7 @@ def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None
 
 def test_each_variant_declares_the_precision_it_computes_in() -> None:
     by_precision = {precision: {v.key for v in variants() if v.precision == precision} for precision in ("fp32", "low", "int8", "auto")}
-    assert by_precision["auto"] == {"graphopt-tune", "openvino"}
+    assert by_precision["auto"] == {"graphopt-tune", "graphopt-tune-exact", "openvino"}
     assert by_precision["int8"] == {"graphopt-int8", "graphopt-int8-1e-1", "openvino-int8", "pt2e-int8"}
     assert by_precision["low"] == {key for key in BY_KEY if "amp" in key or "low" in key}
     assert sum(map(len, by_precision.values())) == len(BY_KEY)
@@ -89,8 +89,8 @@ def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> Non
 
 def test_select_keeps_the_baseline_and_matches_shell_patterns() -> None:
     available = variants()
-    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph", "*tune", "*onednn"])] == [
-        "eager", "graphopt-default", "graphopt-low", "graphopt-cl", "graphopt-low-cl", "graphopt-int8", "graphopt-int8-1e-1",
+    assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph", "*tune*", "*onednn", "graphopt-openvino*", "graphopt-inductor*"])] == [
+        "eager", "graphopt-default", "graphopt-low", "graphopt-cl", "graphopt-low-cl", "graphopt-ort", "graphopt-int8", "graphopt-int8-1e-1",
     ]  # fmt: skip
     assert [v.key for v in select(available, None, ["*"])] == ["eager"]
     assert select(available, None) == available

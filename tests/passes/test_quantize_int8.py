@@ -14,7 +14,7 @@ import graphopt
 from graphopt.errors import ExportError, InvalidInputsError, InvalidModelError, InvalidOptionError, SaveError
 from graphopt.runtime.int8 import Int8Conv, Int8Linear, Int8Op, activation_levels, quantize_weight
 from graphopt.runtime.onednn import PostOp
-from tests.conftest import relative_error
+from tests.conftest import measured_as, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 FP32 = 1e-5  # the kernel against the same arithmetic in float32: int32 accumulation is exact, the rest float32 rounding
@@ -26,10 +26,10 @@ def timed_as(*ratios: float):
     timed (float32 seconds, int8 seconds), or 2x when no ratio is given."""
     speedups = iter(ratios)
 
-    def compare(baseline, candidate, budget_s):
+    def compare(baseline, candidate, threshold, budget_s):
         baseline()
         candidate()
-        return next(speedups, 2.0), 1.0
+        return measured_as(next(speedups, 2.0), 1.0, threshold)
 
     return compare
 
@@ -520,9 +520,9 @@ def test_with_int8_dot_products_the_whole_graph_is_timed_and_int8_kept_only_wher
     timed = []
 
     def graph_timing(ratio: float):
-        def compare(baseline, candidate, budget_s):
+        def compare(baseline, candidate, threshold, budget_s):
             timed.append(budget_s)
-            return timed_as(ratio)(baseline, candidate, budget_s)
+            return timed_as(ratio)(baseline, candidate, threshold, budget_s)
 
         return compare
 

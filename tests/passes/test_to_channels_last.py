@@ -22,7 +22,7 @@ from graphopt import pipeline
 from graphopt.models import REFERENCE_MODELS
 from graphopt.ops import interpreter_inputs, weighted_op_view
 from graphopt.passes.to_channels_last import CONVERSION, to_channels_last
-from tests.conftest import FRONTENDS, assert_same_outputs, assert_trains_like, captured, context, randomize_batch_norms
+from tests.conftest import FRONTENDS, assert_same_outputs, assert_trains_like, captured, context, measured_as, randomize_batch_norms
 
 CL = torch.channels_last
 REPO = Path(__file__).resolve().parents[2]
@@ -275,7 +275,7 @@ def test_optimize_reports_the_pass() -> None:
 
 @pytest.mark.parametrize("gain, kept", [(1.5, True), (1.01, False)])
 def test_auto_keeps_the_layout_only_when_it_measures_faster(monkeypatch: pytest.MonkeyPatch, gain: float, kept: bool) -> None:
-    monkeypatch.setattr(pipeline, "compare_latency", lambda before, after: (gain, 1.0))
+    monkeypatch.setattr(pipeline, "compare_latency", lambda before, after, threshold, budget_s: measured_as(gain, 1.0, threshold))
     model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).eval()
     inputs = (torch.randn(2, 3, 32, 32),)
     # memory_format="auto" is the default; the oneDNN kernels, measured after it, would keep the weights prepacked
@@ -302,7 +302,7 @@ class PatchThenLinears(nn.Module):
 
 
 def test_auto_leaves_out_channels_last_untimed_where_convs_take_almost_no_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_timing(before, after):
+    def no_timing(before, after, threshold, budget_s):
         raise AssertionError("to_channels_last was timed although its convs could not pay")
 
     monkeypatch.setattr(pipeline, "compare_latency", no_timing)

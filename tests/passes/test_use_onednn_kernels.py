@@ -15,12 +15,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
+from graphopt import timing
 from graphopt.errors import ExportError, InvalidModelError
 from graphopt.ops import weighted_op_view
 from graphopt.passes.use_onednn_kernels import use_onednn_kernels
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear, Prepacked
 from graphopt.runtime.portable import to_aten
-from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
+from tests.conftest import FRONTENDS, assert_same_outputs, captured, context, measured_as
 
 onednn = importlib.import_module("graphopt.passes.use_onednn_kernels")  # the package attribute is the pass function
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -281,12 +282,12 @@ class Timed:
     def __init__(self, with_kernels: float) -> None:
         self.with_kernels = with_kernels
 
-    def __call__(self, before, after) -> tuple[float, float]:
+    def __call__(self, before, after, threshold, budget_s) -> timing.Comparison:
         def graph(run) -> fx.GraphModule:
             return next(v for v in inspect.getclosurevars(run).nonlocals.values() if isinstance(v, fx.GraphModule))
 
         adds_kernels = bool(prepacked(graph(after))) and not prepacked(graph(before))
-        return 1.0, self.with_kernels if adds_kernels else 0.5
+        return measured_as(1.0, self.with_kernels if adds_kernels else 0.5, threshold)
 
 
 @pytest.mark.parametrize("faster", [True, False])

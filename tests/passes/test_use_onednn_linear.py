@@ -12,9 +12,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 import graphopt
+from graphopt import timing
 from graphopt.ops import weighted_op_view
 from graphopt.passes.use_onednn_linear import MIN_WEIGHT_ELEMENTS, use_onednn_linear
-from tests.conftest import FRONTENDS, assert_same_outputs, captured, context
+from tests.conftest import FRONTENDS, assert_same_outputs, captured, context, measured_as
 
 linear_pass = importlib.import_module("graphopt.passes.use_onednn_linear")  # the package attribute is the pass function
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -32,10 +33,10 @@ class Timer:
         self.answers = onednn_faster  # one answer for every call, or one per call in order
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, aten: Callable[[], torch.Tensor], onednn: Callable[[], torch.Tensor], budget_s: float) -> tuple[float, float]:
+    def __call__(self, aten: Callable[[], torch.Tensor], onednn: Callable[[], torch.Tensor], budget_s: float) -> timing.Comparison:
         self.calls.append((aten(), onednn()))
         faster = self.answers[len(self.calls) - 1] if isinstance(self.answers, list) else self.answers
-        return (2.0, 1.0) if faster else (1.0, 2.0)
+        return measured_as(2.0, 1.0) if faster else measured_as(1.0, 2.0)
 
 
 @pytest.fixture

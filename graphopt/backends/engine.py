@@ -1,0 +1,149 @@
+"""The engine interface: what every runtime an optimized graph can be handed to provides.
+
+An engine is an existing runtime (OpenVINO, onnxruntime, Inductor), never one of
+graphopt's own. `graphopt.optimize(..., engine=...)` captures the model, runs the portable
+passes (those whose result any runtime can express: `graphopt.pipeline.portable_passes`),
+verifies them, and hands the graph to the engine's `EngineInfo.build`, which returns an
+`EngineRunner`. The runner's outputs are then verified against the original model like a
+pass's, on the example and on a second input with other sizes of each dynamic dimension,
+and it becomes the ``runner`` of the `OptimizedModule` handed back: the same input checks,
+report and ``why()`` as any result. The PyTorch engine (``build=None``) is graphopt's own
+runtime: the layout, precision and CPU-kernel passes run as well and the graph itself is
+the result (the default).
+
+An engine never sees the user's model, only graphopt's captured graph: that is how graphopt
+opens an engine to models it cannot take directly (OpenVINO's TorchScript tracing fails on
+ViT-B/16; its torch.export path, which graphopt takes, works).
+
+Engines other than PyTorch serve inference only (their graphs have no autograd), and
+import their runtime where they use it, so that ``import graphopt`` does not load it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from graphopt.dynamic import Dims
+from graphopt.errors import EngineError, error_summary
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """What an engine builds from: graphopt's verified graph and the example it was verified on."""
+
+    graph_module: fx.GraphModule  # after the portable passes; an engine must not change it
+    example_inputs: tuple[Any, ...]  # forward()'s positional arguments (copies: an engine may run them)
+    dims: Dims  # per pytree leaf of example_inputs, the dimensions calls may take other sizes of
+    precision: str  # "fp32", or a low precision from the engine's `EngineInfo.precisions`
+
+
+class EngineRunner(nn.Module):
+    """What an engine built: ``forward(*args)`` runs it on forward()'s positional arguments and returns the
+    outputs in the graph's structure (tensors on the inputs' device).
+
+    Copies share the built engine (it is immutable once built; a deep copy of an
+    `OptimizedModule` must not rebuild it). ``save`` writes what `EngineInfo.load` reads back.
+    """
+
+    engine: str = ""
+
+    def save(self, folder: Path) -> dict[str, Any]:
+        """Write the engine's own files into ``folder``; return the JSON-ready settings `EngineInfo.load` needs with them."""
+        raise NotImplementedError
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineRunner:
+        return self
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine's registry entry (`graphopt.backends.ENGINES`), as `PassInfo` is a pass's."""
+
+    name: str  # the value of optimize(engine=...)
+    description: str  # one line for `graphopt engines` and the README
+    precisions: tuple[str, ...]  # the precision= values it computes in ("fp32" first)
+    # the module that must be importable, and the pip extra that installs it (None: part of graphopt's core)
+    requires: str | None = None
+    extra: str | None = None
+    # building it compiles for minutes on large models: tune builds it only when its budget allows
+    compiles: bool = False
+    # graph -> runner (None: graphopt's own PyTorch runtime, whose passes make the result)
+    build: Callable[[EngineInput], EngineRunner] | None = None
+    # (folder written by EngineRunner.save, its settings, the graph saved beside it, example inputs) -> the runner again
+    load: Callable[[Path, Mapping[str, Any], fx.GraphModule, tuple[Any, ...]], EngineRunner] | None = None
+    costs: str = ""  # what choosing it costs: build time, file size, no autograd
+
+    @property
+    def own_passes(self) -> bool:
+        """Whether graphopt's layout, precision and CPU-kernel passes make the result (the PyTorch engine)."""
+        return self.build is None
+
+    def missing(self) -> str | None:
+        """Why this engine cannot run here (its runtime is not installed), or None."""
+        if self.requires is None or importlib.util.find_spec(self.requires) is not None:
+            return None
+        install = f"pip install 'graphopt[{self.extra}]'" if self.extra else f"pip install {self.requires}"
+        return f"engine={self.name!r} needs {self.requires}, which is not installed: {install}"
+
+    def check_installed(self) -> None:
+        """Raise `EngineError` naming the extra to install where the runtime is missing."""
+        reason = self.missing()
+        if reason is not None:
+            raise EngineError(reason)
+
+
+def output_structure(graph_module: fx.GraphModule, args: tuple[Any, ...]) -> pytree.TreeSpec:
+    """The pytree structure of the graph's outputs on ``args`` (engines return flat lists of tensors)."""
+    with torch.no_grad():
+        return pytree.tree_flatten(graph_module(*args))[1]
+
+
+def tensor_leaves(args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors among ``args``' pytree leaves, in order: what an exported program takes as inputs.
+
+    Other leaves (numbers, strings, None) are fixed at the example's values by the export and
+    checked by the `OptimizedModule`'s input signature before a call reaches the engine.
+    """
+    return [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)]
+
+
+def export_program(graph_module: fx.GraphModule, args: tuple[Any, ...], dims: Dims, engine: str) -> torch.export.ExportedProgram:
+    """torch.export's program of ``graph_module`` with the dimensions in ``dims`` dynamic.
+
+    Raises `EngineError` with torch.export's own error, or where torch.export fixed a
+    dimension the optimized module was verified to take other sizes of.
+    """
+    leaves, spec = pytree.tree_flatten(args)
+    shapes = [
+        {dim: torch.export.Dim.AUTO for dim in sorted(mine)} or None if isinstance(leaf, torch.Tensor) else None
+        for leaf, mine in zip(leaves, dims, strict=True)
+    ]
+    dynamic_shapes = pytree.tree_unflatten(shapes, spec)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(graph_module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as error:
+        raise EngineError(f"engine={engine!r}: torch.export could not export graphopt's graph for it ({error_summary(error)})") from error
+    inputs = [node.meta.get("val") for node in program.graph.find_nodes(op="placeholder") if node.name in set(program.graph_signature.user_inputs)]
+    tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
+    fixed = [
+        f"input {index} dim {dim}"
+        for index, (tensor, mine) in enumerate(zip(tensors, [m for leaf, m in zip(leaves, dims, strict=True) if isinstance(leaf, torch.Tensor)], strict=True))
+        for dim in sorted(mine)
+        if isinstance(tensor.shape[dim], int)
+    ]
+    if fixed:
+        raise EngineError(
+            f"engine={engine!r}: torch.export fixed {', '.join(fixed)} to the example's size: the model's code ties it to a "
+            "constant. Optimize with dynamic_shapes=None (every size fixed) or without those dimensions."
+        )
+    return program

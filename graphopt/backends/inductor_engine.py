@@ -1,0 +1,165 @@
+"""The Inductor engine: graphopt's graph compiled by ``torch.compile`` with freezing, for CPU inference.
+
+The graph is the one graphopt captured and verified, after the portable passes. It is
+compiled with Inductor's recommended CPU inference setting, ``freezing`` (weights folded in
+as constants, conv-BN folded, oneDNN weights prepacked, post-ops fused; see `_compile` for
+how it is set), ``fullgraph``, under ``torch.inference_mode``. The verified
+dynamic dimensions are marked dynamic (``torch._dynamo.mark_dynamic``), every other size is
+the example's, and the graph is compiled inside `build` by running the example once, so
+the first call is as fast as the next.
+
+``precision="bf16"`` runs the compiled call under CPU ``torch.autocast`` to bfloat16 (as the
+peer "torch.compile freezing bf16 autocast + CL" of ``graphopt bench``; freezing folds the
+weights' casts), the outputs cast back to the graph's dtypes. fp16 is not offered: CPUs without native fp16
+arithmetic emulate it.
+
+Layout: the engine converts nothing to channels_last. Under freezing, Inductor's own layout
+optimisation (``torch._inductor.config.layout_optimization``, on by default) turns the
+weights of a graph with convolutions on a oneDNN CPU to channels_last and prepacks them,
+and converts the activations at the first convolution, so converting them here as well
+would only move that copy. The graph is compiled for the example's memory format
+(channels_last or contiguous).
+
+Compiled code is specific to the machine and the process, and loading a compiled library
+runs code from the file: saving writes none, and `load` compiles the graph saved beside it
+again (a build's time on every load).
+
+Each call's inputs are made what the graph was compiled for (`_as_compiled`), or Dynamo's guards
+would compile it again. They still do (once each, then cached, without freezing) where a
+dynamic dimension has size 1 in a call but not in the example: Dynamo specializes sizes 0 and 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from graphopt.backends.engine import EngineInfo, EngineInput, EngineRunner, tensor_leaves
+from graphopt.dynamic import Dims
+from graphopt.errors import EngineError, error_summary
+from graphopt.ops import layout_of
+
+PRECISIONS = ("fp32", "bf16")
+
+
+class InductorRunner(EngineRunner):
+    """graphopt's graph compiled by Inductor with freezing, called at the engine's precision."""
+
+    engine = "inductor"
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        precision: str,
+        dims: Dims,
+        input_formats: list[torch.memory_format | None],
+        outputs: pytree.TreeSpec,
+        output_dtypes: list[torch.dtype | None],
+    ) -> None:
+        super().__init__()
+        self.precision = precision
+        self.dims = dims
+        self.input_formats = input_formats  # per input leaf, None where it is not a tensor
+        self.outputs = outputs
+        self.output_dtypes = output_dtypes  # per output leaf, None where it is not a tensor
+        # held, not registered: the runner's module tree (state_dict, train()) stays out of the compiled graph's guards
+        object.__setattr__(self, "compiled", torch.compile(graph_module, fullgraph=True))
+
+    def forward(self, *args: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(args)
+        with torch.inference_mode(False), torch.no_grad():  # copies made here are normal tensors, as the compiled ones were
+            leaves = [leaf if memory_format is None else _as_compiled(leaf, memory_format) for leaf, memory_format in zip(leaves, self.input_formats, strict=True)]
+        return self.run_compiled(pytree.tree_unflatten(leaves, spec))
+
+    def run_compiled(self, args: tuple[Any, ...]) -> Any:
+        """Call the compiled graph on ``args`` as they are (the first call compiles it)."""
+        # the same autograd mode and autocast state whatever the caller's: Dynamo guards on both, and would recompile
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            outputs = pytree.tree_leaves(self.compiled(*args))
+        # autocast returns its own dtype: the graph's outputs keep theirs
+        restored = [leaf if dtype is None else leaf.to(dtype) for leaf, dtype in zip(outputs, self.output_dtypes, strict=True)]
+        return pytree.tree_unflatten(restored, self.outputs)
+
+    def save(self, folder: Path) -> dict[str, Any]:
+        """Write nothing (compiled code is specific to this machine and process); the settings to compile again."""
+        return {"precision": self.precision, "dims": [sorted(mine) for mine in self.dims]}
+
+
+def _memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    """The memory format the graph is compiled for, for an input like ``tensor``: channels_last if it is, else contiguous."""
+    if layout_of(tensor) == "channels_last":
+        return torch.channels_last if tensor.dim() == 4 else torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _as_compiled(tensor: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``tensor`` as the graph was compiled for: in ``memory_format``, no autograd, not an inference tensor.
+
+    Dynamo guards on strides, ``requires_grad`` and dispatch keys, and would compile again (without
+    freezing, see `_compile`) for a call that differs: graphopt's second input has other strides,
+    and tensors made under ``torch.inference_mode`` lack the autograd keys. Free for a tensor that
+    is already so, a copy otherwise.
+    """
+    tensor = tensor.detach()
+    return tensor.clone(memory_format=memory_format) if tensor.is_inference() else tensor.contiguous(memory_format=memory_format)
+
+
+def _compile(graph_module: fx.GraphModule, example_inputs: tuple[Any, ...], dims: Dims, precision: str) -> InductorRunner:
+    """The runner, compiled now with freezing by running a copy of the example, its dimensions in ``dims`` marked dynamic.
+
+    Freezing is set process-wide while compiling, as torchao's recipe sets it: Dynamo reads it too,
+    to hand the weights over as constants (as ``torch.compile(options={"freezing": True})``, only
+    Inductor sees it and, the weights being graph inputs, freezes nothing). A later recompile (see
+    the module docstring) is therefore not frozen.
+    """
+    if precision not in PRECISIONS:
+        raise EngineError(f"engine='inductor' computes in {' or '.join(PRECISIONS)}, not {precision!r}")
+    if any(tensor.device.type != "cpu" for tensor in tensor_leaves(example_inputs)):
+        raise EngineError("engine='inductor' runs on the CPU here: give example inputs on the CPU (device='cpu')")
+    with torch.inference_mode():
+        outputs, structure = pytree.tree_flatten(graph_module(*example_inputs))
+    leaves, spec = pytree.tree_flatten(example_inputs)
+    formats = [_memory_format(leaf) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+    runner = InductorRunner(graph_module, precision, dims, formats, structure, [leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in outputs])
+    with torch.inference_mode(False), torch.no_grad():  # copies: the marks stay off the caller's tensors
+        copies = [leaf if memory_format is None else leaf.detach().clone(memory_format=memory_format) for leaf, memory_format in zip(leaves, formats, strict=True)]
+    for leaf, mine in zip(copies, dims, strict=True):
+        if isinstance(leaf, torch.Tensor) and mine:
+            torch._dynamo.mark_dynamic(leaf, sorted(mine))
+    from torch._inductor import config, exc  # here, not at the top: Inductor takes seconds to import, and only a build needs it
+
+    try:
+        with config.patch(freezing=True):
+            runner.run_compiled(pytree.tree_unflatten(copies, spec))
+    except Exception as error:  # Inductor's own error (no C++ compiler, an unsupported op, a graph break), quoted
+        cause = getattr(error, "inner_exception", None) or error  # Dynamo's wrapper around the backend's own error
+        advice = "install a C++ compiler (g++ or clang) or use another engine" if isinstance(cause, exc.InvalidCxxCompiler) else "use another engine"
+        raise EngineError(f"engine='inductor' could not compile graphopt's graph ({error_summary(cause)}): {advice}") from error
+    return runner
+
+
+def build(request: EngineInput) -> InductorRunner:
+    """Compile graphopt's graph with Inductor and freezing, now, on the example inputs."""
+    return _compile(request.graph_module, request.example_inputs, request.dims, request.precision)
+
+
+def load(folder: Path, settings: Mapping[str, Any], graph_module: fx.GraphModule, example_inputs: tuple[Any, ...]) -> InductorRunner:
+    """Compile again the graph saved beside ``folder`` (``graph_module``): `InductorRunner.save` writes no compiled code."""
+    return _compile(graph_module, example_inputs, tuple(frozenset(mine) for mine in settings["dims"]), settings["precision"])
+
+
+ENGINE = EngineInfo(
+    "inductor",
+    "torch.compile (Inductor) with freezing on graphopt's graph, bf16 under CPU autocast (inference, CPU; no fp16: CPUs emulate it)",
+    precisions=PRECISIONS,
+    compiles=True,
+    build=build,
+    load=load,
+    costs="seconds to minutes of C++ compilation at every build and every load (needs a C++ compiler); "
+    "saves no compiled code, only the graph; no autograd, CPU only",
+)
