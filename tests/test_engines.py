@@ -240,11 +240,11 @@ def test_tune_tries_every_engine_and_returns_the_fastest_verified_one(fake_timer
     engine = ENGINE_NAMES[0]
     fake_timer({f"{engine} fp32": 1e-3})
     model, x = conv_net(), torch.randn(2, 3, 12, 12)
-    tuned = graphopt.optimize(model, x, tune=True, tune_budget_s=1e4)
+    tuned = graphopt.optimize(model, x, tune=True)
     report = tuned.graphopt_report
     assert report.tune.winner == f"{engine} fp32" and report.engine.name == engine
     listed = {candidate.name.split()[0] for candidate in report.tune.candidates}
-    assert set(ENGINE_NAMES) <= listed  # built, or left out with the reason
+    assert set(ENGINE_NAMES) <= listed  # built, or left out with the reason (those that compile, under this budget)
     assert all(candidate.reason for candidate in report.tune.candidates if candidate.status == "not built")
     assert {"captured graph, no passes", "default call"} <= {c.name for c in report.tune.candidates if c.status == "measured"}
     assert_matches(model(x), tuned(x))

@@ -1,6 +1,8 @@
 """optimize(tune=True): the fastest candidate within the accuracy budget wins, over-budget ones never do, the cache skips measuring.
 
 Latencies come from a deterministic fake timer (graphopt.tuning.measure_latencies): no test times anything.
+Engines other than PyTorch are candidates only in the tests that ask for them (each costs seconds to build;
+tests/test_engines.py checks tune across every engine).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import timing, tuning
+from graphopt.backends import ENGINES
 from graphopt.errors import InvalidOptionError
 from graphopt.runtime import int8_modules
 from graphopt.models import REFERENCE_MODELS
@@ -48,6 +51,18 @@ def native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(graphopt.api, "emulated_on_cpu", lambda precision, model: None)
 
 
+@pytest.fixture(autouse=True)
+def pytorch_only(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tune's own rules are tested on graphopt's PyTorch candidates; a test that takes `with_engines` keeps the engines."""
+    if "with_engines" not in request.fixturenames:
+        monkeypatch.setattr(graphopt.api, "ENGINES", {name: info for name, info in ENGINES.items() if info.own_passes})
+
+
+@pytest.fixture
+def with_engines() -> None:
+    """The installed engines stay tune's candidates (see `pytorch_only`)."""
+
+
 def use_timer(monkeypatch: pytest.MonkeyPatch, latencies: Mapping[str, float]) -> FakeTimer:
     timer = FakeTimer(latencies)
     monkeypatch.setattr(tuning, "measure_latencies", timer)
@@ -63,7 +78,7 @@ def names(report: graphopt.Report, status: str) -> set[str]:
     return {c.name for c in report.tune.candidates if c.status == status}
 
 
-def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyPatch, with_engines: None) -> None:
     timer = use_timer(monkeypatch, {"fp32 preserve": 4e-3, "fp32 channels_last": 6e-3, "captured graph, no passes": 9e-3})
     model, inputs = resnet()
     tuned = graphopt.optimize(model, inputs, tune=True)
@@ -107,7 +122,7 @@ def test_a_looser_accuracy_admits_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     assert report.max_error <= 3e-2
 
 
-def test_an_over_budget_candidate_never_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_over_budget_candidate_never_wins(monkeypatch: pytest.MonkeyPatch, with_engines: None) -> None:
     monkeypatch.setitem(tuning.LOW_PRECISION_BOUNDS, "bf16", 1e-9)  # admit bf16 to be built, so its measured error decides
     timer = use_timer(monkeypatch, {"bf16 channels_last": 1e-4, "bf16 preserve": 1e-4})
     model, inputs = resnet()

@@ -5,7 +5,8 @@ through ``torch.export`` (the verified dynamic dimensions dynamic, every other s
 example's: `graphopt.backends.engine.export_program`) and graphopt's ONNX export
 (`graphopt.backends.onnx_export.onnx_program`: ``torch.onnx.export(dynamo=True)``, the
 dynamic dimensions named ``batch`` and ``sequence``, the outputs after the model's output
-structure) to an ``onnxruntime.InferenceSession`` on the CPU with every graph optimization,
+structure) to ``onnxruntime.InferenceSession``s on the CPU (one for the example's shapes, one for
+other sizes) with every graph optimization,
 sequential execution on torch's thread count, and no spinning threads: onnxruntime's
 threads otherwise spin after each run and take the cores from torch's threads in the same
 process.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,14 @@ from graphopt.errors import EngineError, error_summary
 MODEL_FILE = "model.onnx"
 
 
-def _session(path: Path) -> Any:
-    """An onnxruntime session on the ONNX file at ``path``, tuned for the latency of one call at a time."""
+def _session(path: Path, sizes: Mapping[str, int] | None = None) -> Any:
+    """An onnxruntime session on the ONNX file at ``path``, tuned for the latency of one call at a time;
+    ``sizes``: the named dynamic dimensions fixed to these sizes (a session for those shapes only)."""
     import onnxruntime  # imported where used: `import graphopt` stays light
 
     options = onnxruntime.SessionOptions()
+    for name, size in (sizes or {}).items():
+        options.add_free_dimension_override_by_name(name, size)
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     options.intra_op_num_threads = torch.get_num_threads()  # the cores torch would use
@@ -51,19 +55,29 @@ def _session(path: Path) -> Any:
 
 
 class OnnxRuntimeRunner(EngineRunner):
-    """An onnxruntime session on the ONNX file in ``files`` (a folder the runner owns), called with torch tensors."""
+    """Two onnxruntime sessions on the ONNX file in ``files`` (a folder the runner owns), called with torch tensors.
+
+    One has the file's dynamic dimensions fixed to the example's sizes: with static shapes
+    onnxruntime plans its memory and fuses once (EfficientNet-B0, batch 8: 75 ms against 83 ms
+    for the dynamic session); calls of the example's shapes run on it, other sizes on the other.
+    """
 
     engine = "onnxruntime"
 
-    def __init__(self, files: tempfile.TemporaryDirectory[str], outputs: pytree.TreeSpec) -> None:
+    def __init__(self, files: tempfile.TemporaryDirectory[str], outputs: pytree.TreeSpec, example_shapes: Sequence[Sequence[int]]) -> None:
         super().__init__()
         self.files = files  # removed when the runner is collected
         self.outputs = outputs
+        self.example_shapes = tuple(tuple(shape) for shape in example_shapes)
+        path = Path(files.name) / MODEL_FILE
         try:
-            self.session = _session(Path(files.name) / MODEL_FILE)
+            self.session = _session(path)
+            specs = self.session.get_inputs()
+            sizes = {dim: size for spec, shape in zip(specs, self.example_shapes, strict=True) for dim, size in zip(spec.shape, shape, strict=True) if isinstance(dim, str)}
+            self.example_session = _session(path, sizes) if sizes else self.session
         except Exception as error:  # onnxruntime's own error, quoted
             raise EngineError(f"engine='onnxruntime' could not load the ONNX file of graphopt's graph ({error_summary(error)})") from error
-        self.input_names = [spec.name for spec in self.session.get_inputs()]
+        self.input_names = [spec.name for spec in specs]
         if len(self.session.get_outputs()) != outputs.num_leaves:
             # ONNX outputs are tensors only: a None or a number among the outputs would shift every later one
             raise EngineError(
@@ -73,12 +87,13 @@ class OnnxRuntimeRunner(EngineRunner):
 
     def forward(self, *args: Any) -> Any:
         feeds = {name: tensor.detach().numpy() for name, tensor in zip(self.input_names, tensor_leaves(args), strict=True)}
+        session = self.example_session if tuple(array.shape for array in feeds.values()) == self.example_shapes else self.session
         # session.run returns new arrays on each call: wrapped without a copy
-        return pytree.tree_unflatten([torch.from_numpy(output) for output in self.session.run(None, feeds)], self.outputs)
+        return pytree.tree_unflatten([torch.from_numpy(output) for output in session.run(None, feeds)], self.outputs)
 
     def save(self, folder: Path) -> dict[str, Any]:
         _copy_files(Path(self.files.name), folder)
-        return {}  # the file says everything: load needs no settings
+        return {"example_shapes": [list(shape) for shape in self.example_shapes]}
 
 
 def _copy_files(source: Path, destination: Path) -> None:
@@ -111,14 +126,14 @@ def build(request: EngineInput) -> OnnxRuntimeRunner:
     except Exception as error:  # the exporter's own error, quoted
         files.cleanup()
         raise EngineError(f"engine='onnxruntime': torch.onnx.export could not export graphopt's graph ({error_summary(_innermost(error))})") from error
-    return OnnxRuntimeRunner(files, pytree.tree_structure(example_outputs))
+    return OnnxRuntimeRunner(files, pytree.tree_structure(example_outputs), [tuple(tensor.shape) for tensor in tensor_leaves(args)])
 
 
 def load(folder: Path, settings: Mapping[str, Any], graph_module: fx.GraphModule, example_inputs: tuple[Any, ...]) -> OnnxRuntimeRunner:
     """The runner `OnnxRuntimeRunner.save` wrote into ``folder`` (its files copied: ``folder`` may be removed after)."""
     files = tempfile.TemporaryDirectory(prefix="graphopt-onnxruntime-")
     _copy_files(folder, Path(files.name))
-    return OnnxRuntimeRunner(files, output_structure(graph_module, example_inputs))
+    return OnnxRuntimeRunner(files, output_structure(graph_module, example_inputs), settings["example_shapes"])
 
 
 ENGINE = EngineInfo(
@@ -129,5 +144,5 @@ ENGINE = EngineInfo(
     requires="onnxruntime",
     build=build,
     load=load,
-    costs="seconds to export to ONNX; the .onnx file holds the fp32 weights; no autograd, CPU only",
+    costs="seconds to export to ONNX; two sessions (the example's shapes, other sizes) hold the fp32 weights twice in memory; no autograd, CPU only",
 )

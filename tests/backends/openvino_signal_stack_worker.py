@@ -1,16 +1,15 @@
 """Run by tests/backends/test_openvino_engine.py in a fresh process: is this thread's alternate signal stack still
 mapped after OpenVINO Cores were made and freed out of order?
 
-``python -m tests.backends.openvino_signal_stack_worker own|graphopt`` prints ``mapped``, ``disabled`` or
-``unmapped``. ``own``: two ``openvino.Core`` objects, each compiling a model, freed first-made first (what a
-process making a Core per model does). ``graphopt``: two OpenVINO engine results, freed the same way.
+``python -m tests.backends.openvino_signal_stack_worker`` prints the state (``mapped``, ``disabled`` or
+``unmapped``) after two OpenVINO engine results were freed first-made first, then after two ``openvino.Core``
+objects, each compiling a model, were freed the same way (what a process making a Core per model does).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import sys
 
 import openvino
 import torch
@@ -38,24 +37,24 @@ def alternate_signal_stack() -> str:
     return "unmapped"
 
 
-def main(how: str) -> None:
+def main() -> None:
     model, x = torch.nn.Linear(4, 4).eval(), torch.randn(2, 4)
-    if how == "own":
-        converted = openvino.convert_model(model, example_input=x)
-        first = openvino.Core()
-        first_compiled = first.compile_model(converted, "CPU")
-        second = openvino.Core()
-        second_compiled = second.compile_model(converted, "CPU")
-        del first_compiled, first
-        del second_compiled, second
-    else:
-        first = graphopt.optimize(model, x, engine="openvino")
-        second = graphopt.optimize(model, x, engine="openvino", precision="fp32")
-        del first
-        del second
+    first = graphopt.optimize(model, x, engine="openvino")
+    second = graphopt.optimize(model, x, engine="openvino", precision="fp32")
+    del first
+    del second
+    gc.collect()
+    print(alternate_signal_stack())
+    converted = openvino.convert_model(model, example_input=x)
+    first_core = openvino.Core()
+    first_compiled = first_core.compile_model(converted, "CPU")
+    second_core = openvino.Core()
+    second_compiled = second_core.compile_model(converted, "CPU")
+    del first_compiled, first_core
+    del second_compiled, second_core
     gc.collect()
     print(alternate_signal_stack())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

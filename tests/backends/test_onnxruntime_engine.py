@@ -83,7 +83,9 @@ def test_the_session_is_tuned_for_latency_and_returns_the_model_structure() -> N
     # graphopt's ONNX export: the dynamic dimension and the outputs named as export_onnx names them
     assert runner.session.get_inputs()[0].shape == ["batch", 3, 8, 8]
     assert [output.name for output in runner.session.get_outputs()] == ["logits", "features_0", "features_1"]
+    assert runner.example_session.get_inputs()[0].shape == [2, 3, 8, 8]  # the same file, its batch fixed to the example's
 
+    sessions = runner.example_session, runner.session = Recording(runner.example_session), Recording(runner.session)
     other = torch.randn(5, 3, 8, 8).transpose(2, 3)  # another batch size, not contiguous
     for inputs in ((x,), (other,)):
         with torch.no_grad():
@@ -91,12 +93,25 @@ def test_the_session_is_tuned_for_latency_and_returns_the_model_structure() -> N
         actual = runner(*inputs)
         assert set(actual) == {"logits", "features"} and isinstance(actual["features"], tuple)
         assert_matches(expected, actual)
+    assert [session.calls for session in sessions] == [1, 1]  # the example's shapes on the fixed session, the other batch not
+
+
+class Recording:
+    """An onnxruntime session that counts its runs."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.calls = session, 0
+
+    def run(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.session.run(*args)
 
 
 def test_a_token_model_runs_at_another_batch_and_sequence_length() -> None:
     model, example = TokenAttention().eval(), tokens(2, 6)
     runner = built(model, example, (frozenset({0, 1}), frozenset({0, 1})))
     assert [spec.shape for spec in runner.session.get_inputs()] == [["batch", "sequence"]] * 2
+    assert [spec.shape for spec in runner.example_session.get_inputs()] == [[2, 6]] * 2
     for inputs in (example, tokens(3, 9)):
         with torch.no_grad():
             assert_matches(model(*inputs), runner(*inputs))
@@ -129,21 +144,21 @@ def test_a_saved_file_loads_with_its_external_data_and_saves_again(tmp_path: Pat
     first, external, again = tmp_path / "first", tmp_path / "external", tmp_path / "again"
     for folder in (first, external, again):
         folder.mkdir()
-    assert runner.save(first) == {}
+    assert runner.save(first) == {"example_shapes": [[2, 3, 8, 8]]}
     assert sorted(path.name for path in first.iterdir()) == ["model.onnx"]
     # the weights beside the file, as graphopt's export saves them for models over protobuf's 2 GB
     onnx_program(model, (x,), (frozenset({0}),)).save(external / "model.onnx", external_data=True)
-    loaded = onnxruntime_engine.load(external, {}, gm, (x,))
+    loaded = onnxruntime_engine.load(external, {"example_shapes": [[2, 3, 8, 8]]}, gm, (x,))
     loaded.save(again)
     assert sorted(path.name for path in again.iterdir()) == ["model.onnx", "model.onnx.data"]
     other = torch.randn(3, 3, 8, 8)
     with torch.no_grad():
         expected = model(other)
-    assert_matches(expected, onnxruntime_engine.load(again, {}, gm, (x,))(other))
+    assert_matches(expected, onnxruntime_engine.load(again, {"example_shapes": [[2, 3, 8, 8]]}, gm, (x,))(other))
 
 
 def test_a_file_onnxruntime_cannot_read_raises_its_error(tmp_path: Path) -> None:
     (tmp_path / "model.onnx").write_bytes(b"not an onnx model")
     model, x = NestedOutputs().eval(), torch.randn(2, 3, 8, 8)
     with pytest.raises(EngineError, match=r"could not load the ONNX file .*\(\w+: \[ONNXRuntimeError\]"):
-        onnxruntime_engine.load(tmp_path, {}, fx.symbolic_trace(model), (x,))
+        onnxruntime_engine.load(tmp_path, {"example_shapes": [[2, 3, 8, 8]]}, fx.symbolic_trace(model), (x,))
