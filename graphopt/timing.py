@@ -1,9 +1,10 @@
 """Latency measurement that holds on a busy machine: paired interleaved rounds until the answer is clear.
 
 Variants run in rounds after a warm-up call each, one call per variant per round, the order
-rotating from round to round (A B, B A, A B, ...), so slow drift, bursts of other load and
-any advantage of running first or second fall on all of them alike. Each round gives a
-paired ratio (the baseline's time over the candidate's, taken a moment apart); the decision
+changing from round to round (two alternate, A B, B A, ...; more are shuffled: `round_order`),
+so slow drift, bursts of other load and what one call leaves behind for the next fall on all
+of them alike. Each round gives a paired ratio (the baseline's time over the candidate's, taken
+a moment apart); the decision
 rests on the median of those ratios and its `CONFIDENCE` interval (order statistics, as the
 sign test: no assumption about the shape of the noise, and a burst that slows one call makes
 one extreme ratio, not a shifted mean). Rounds go on until the interval clears the decision's
@@ -38,6 +39,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -69,13 +71,26 @@ def wall_clock_seconds(run: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
+def round_order(names: Sequence[str], index: int) -> list[str]:
+    """The order of round ``index``: a permutation of ``names``, another each round, the same on every run.
+
+    A fixed order (A B C A B C ...), or a rotating one, runs each variant after the same other
+    variant almost every round, and a call pays for what the call before it left behind (caches
+    it evicted, a runtime's threads still spinning on the cores); shuffled rounds spread that over
+    every variant. Two variants simply alternate (A B, B A, ...)."""
+    names = list(names)
+    if len(names) == 2:
+        return names if index % 2 == 0 else names[::-1]
+    return random.Random(index).sample(names, len(names))
+
+
 def interleaved_samples(
     variants: Mapping[str, Callable[[], Any]],
     rounds: int = 20,
     warmup: int = 3,
     measure: Measure = wall_clock_seconds,
 ) -> dict[str, list[float]]:
-    """Seconds of each call, per variant, one call per variant per round (A B C A B C ...).
+    """Seconds of each call, per variant, one call per variant per round, in `round_order`.
 
     ``measure`` times one call (the CUDA benchmark passes one that uses CUDA events).
     """
@@ -83,9 +98,9 @@ def interleaved_samples(
         for _ in range(warmup):
             run()
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            samples[name].append(measure(run))
+    for index in range(rounds):
+        for name in round_order(list(variants), index):
+            samples[name].append(measure(variants[name]))
     return samples
 
 
@@ -224,7 +239,7 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Ranking:
-    """Several variants measured in rotating rounds (`rank_latencies`): the fastest and how clearly."""
+    """Several variants measured in shuffled rounds (`rank_latencies`): the fastest and how clearly."""
 
     medians: dict[str, float]  # median seconds per call of each variant
     winner: str  # the lowest median
@@ -238,7 +253,7 @@ class Ranking:
 
     @classmethod
     def of(cls, samples: Mapping[str, Sequence[float]], foreign_cores: float | None = None) -> Ranking:
-        """The ranking that rotating-round samples (seconds per variant, round by round) support."""
+        """The ranking that shuffled-round samples (seconds per variant, round by round) support."""
         medians = {name: statistics.median(times) for name, times in samples.items()}
         ranked = sorted(medians, key=medians.__getitem__)
         rounds = len(samples[ranked[0]])
@@ -278,7 +293,7 @@ def _paired_rounds(
 
     One warm-up call per variant (when every one takes `LONG_CALL_S` or more, what a first
     call costs extra is small against it and the warm-up counts as the first round), then
-    rounds in rotating order until ``settled(samples)`` holds, `MAX_ROUNDS` are taken, or the
+    rounds in `round_order` until ``settled(samples)`` holds, `MAX_ROUNDS` are taken, or the
     next round would end past ``budget_s`` (counted from the warm-up); never fewer than `MIN_ROUNDS`.
     """
     names = list(variants)
@@ -291,8 +306,7 @@ def _paired_rounds(
             taken >= MAX_ROUNDS or time.perf_counter() - started + round_s > budget_s or settled(samples)
         ):
             round_started = time.perf_counter()
-            shift = taken % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in round_order(names, taken):
                 samples[name].append(measure(variants[name]))
             round_s = time.perf_counter() - round_started
     return samples, load.cores
@@ -322,7 +336,7 @@ def compare_latency(
 
 
 def rank_latencies(variants: Mapping[str, Callable[[], Any]], budget_s: float = 10.0, measure: Measure = wall_clock_seconds) -> Ranking:
-    """Every variant in rotating rounds (A B C, B C A, ...) until the fastest is clear of the runner-up.
+    """Every variant in shuffled rounds (`round_order`) until the fastest is clear of the runner-up.
 
     Stops when the interval of the runner-up's paired ratio to the fastest is above 1, or when
     ``budget_s`` is spent (at least `MIN_ROUNDS` rounds).

@@ -13,7 +13,7 @@ inputs, on the target device:
 2. Each candidate is built with `graphopt.optimize` (verified against the original: its
    error is measured, not assumed); candidates over the accuracy budget are rejected.
 3. The accurate candidates are timed together after a warm-up, in rounds whose order
-   rotates (A B C, B C A, ...), until the fastest is clear of the runner-up beyond the
+   is shuffled (A B C, C A B, B C A, ...), until the fastest is clear of the runner-up beyond the
    measurement noise or the rest of the budget is spent (`graphopt.timing.rank_latencies`:
    the interval of the paired per-round ratios; other processes' CPU load is measured).
 4. The lowest median wins; ``report.tune`` lists every candidate, its time and error, and

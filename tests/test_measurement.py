@@ -109,10 +109,14 @@ def test_the_budget_bounds_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_ranking_picks_the_same_winner_whatever_the_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    for seed in range(10):
+    runners_up = []
+    for seed in range(100):
         machine = NoisyMachine(seed).install(monkeypatch)
         ranking = timing.rank_latencies({"slow": machine.call(3e-3), "fast": machine.call(1e-3), "middle": machine.call(2e-3)}, budget_s=5.0)
-        assert (ranking.winner, ranking.runner_up, ranking.verdict) == ("fast", "middle", "clear"), f"seed {seed}: {ranking.describe()}"
+        assert (ranking.winner, ranking.verdict) == ("fast", "clear"), f"seed {seed}: {ranking.describe()}"
+        runners_up.append(ranking.runner_up)
+    # the two losers may swap once the winner is clear of both (3 of these 100 seeds, after 8 rounds of this noise)
+    assert runners_up.count("middle") >= 95
 
 
 def test_a_ranking_of_equals_is_close(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,13 +101,30 @@ def test_the_median_interval_is_the_widest_cut_that_keeps_its_confidence(count: 
     assert coverage >= timing.CONFIDENCE > 1 - 2 * binom.cdf(cut, count, 0.5), "the interval one value narrower would not hold"
 
 
-def test_the_ranking_rotates_the_order_and_stops_when_the_winner_is_clear(clock: FakeClock) -> None:
+def test_the_ranking_shuffles_the_order_and_stops_when_the_winner_is_clear(clock: FakeClock) -> None:
     log: list[str] = []
     variants = {name: timed_call(clock, [seconds], log, name)[1] for name, seconds in (("a", 0.03), ("b", 0.01), ("c", 0.02))}
     ranking = timing.rank_latencies(variants, budget_s=100.0)
     assert (ranking.winner, ranking.runner_up, ranking.verdict) == ("b", "c", "clear")
     assert ranking.medians == pytest.approx({"a": 0.03, "b": 0.01, "c": 0.02}) and ranking.ratio == pytest.approx(2.0)
-    assert ranking.rounds == timing.MIN_ROUNDS and log[3:9] == ["a", "b", "c", "b", "c", "a"]
+    assert ranking.rounds == timing.MIN_ROUNDS
+    rounds = [log[3 + 3 * index : 6 + 3 * index] for index in range(ranking.rounds)]
+    assert rounds == [timing.round_order(["a", "b", "c"], index) for index in range(ranking.rounds)]
+
+
+def test_round_order_puts_each_variant_after_different_ones() -> None:
+    names = ["eager", "graphopt", "openvino", "onnxruntime"]
+    orders = [timing.round_order(names, index) for index in range(10)]
+    assert all(sorted(order) == sorted(names) for order in orders) and orders == [timing.round_order(names, i) for i in range(10)]
+    before = {name: {order[order.index(name) - 1] for order in orders if order.index(name) > 0} for name in names}
+    assert all(len(predecessors) >= 2 for predecessors in before.values()), before  # a fixed or rotating order gives one
+    assert [timing.round_order(["a", "b"], index) for index in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+def test_the_benchmarks_rounds_follow_round_order() -> None:
+    log: list[str] = []
+    timing.interleaved_samples({name: (lambda name=name: log.append(name)) for name in "abcd"}, rounds=3, warmup=0)
+    assert log == [name for index in range(3) for name in timing.round_order(list("abcd"), index)]
 
 
 def test_a_ranking_of_equals_is_close_within_its_budget(clock: FakeClock) -> None:

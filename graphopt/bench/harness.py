@@ -3,7 +3,7 @@
 For each model: build the model once (eval mode, on the device) and, variant by variant,
 build the variant, make its first call (the setup time includes it: compilers work
 then) and its warm-up calls, recording peak memory meanwhile, and the output error
-against eager fp32. Then time all variants that built, interleaved (A B C A B C ...),
+against eager fp32. Then time all variants that built, interleaved in shuffled rounds (`timing.round_order`),
 one call per variant per round; each round's ratio is eager fp32's time in that round
 divided by the variant's. A variant that is skipped or fails is recorded with the
 reason; the run goes on.
