@@ -8,10 +8,11 @@ exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn as nn
 from graphopt import dynamic, progress, tuning
 from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo, EngineInput, engine_info
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, compile_graph, compile_regions
-from graphopt.capture import capture_graph, check_frontend, one_at_a_time
+from graphopt.capture import Captured, capture_graph, check_frontend, one_at_a_time
 from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
 from graphopt.diff import snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationError, VerificationWarning
@@ -284,10 +285,19 @@ def optimize(
         # forward() runs many times below (reference, capture, checks): what it writes outside the call (globals,
         # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
         with preserved_user_objects(owned, module_attributes=False):
-            with watch_side_effects(owned) as watch:
-                example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
-            others = SecondInputs(owned, args, request.dims, gradients=training)
-            captured = capture_graph(owned, example, frontend, request, others if verify else None)
+
+            def capture() -> tuple[Check, SecondInputs, Captured, str, tuple[str, ...], Any]:
+                with watch_side_effects(owned) as watch:
+                    example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
+                others = SecondInputs(owned, args, request.dims, gradients=training)
+                captured = capture_graph(owned, example, frontend, request, others if verify else None)
+                # read before the passes, which may leave an argument unread where any value computes the same (a removed dropout's p)
+                fixed_arguments = unread_arguments(captured.graph_module, args, request.names) if captured.frontend == "fx" else ()
+                effects = side_effects_message(watch.effects, type(model).__name__)
+                return example, others, captured, effects, fixed_arguments, snapshot(captured.graph_module.graph)
+
+            # the captured graph's nodes are read now: an engine candidate sharing this capture gets it after the passes
+            example, others, captured, side_effects, fixed_arguments, captured_nodes = _shared_by_engines("capture", capture, info)
             kept = captured.dims
             report = Report(
                 mode=resolved_mode,
@@ -311,10 +321,7 @@ def optimize(
                 accuracy=int8_accuracy,
                 remeasure=remeasure,
             )
-            report.captured_nodes = snapshot(captured.graph_module.graph)
-            # read before the passes, which may leave an argument unread where any value computes the same (a removed dropout's p)
-            fixed_arguments = unread_arguments(captured.graph_module, args, request.names) if captured.frontend == "fx" else ()
-            side_effects = side_effects_message(watch.effects, type(model).__name__)
+            report.captured_nodes = captured_nodes
             if side_effects:
                 warnings.warn(f"graphopt: {side_effects}", SideEffectWarning, stacklevel=3)
                 report.warnings.append(side_effects)
@@ -334,7 +341,8 @@ def optimize(
                     return graph
                 return capture_graph(owned_copy(), example, captured.frontend, request).graph_module
 
-            gm, report.passes, report.diffs, second_comparison = run_verified(fresh_graph, infos, context, verifier, captured.max_error)
+            gm, passes_run, diffs, second_comparison = _shared_by_engines("passes", lambda: run_verified(fresh_graph, infos, context, verifier, captured.max_error), info)
+            report.passes, report.diffs = list(passes_run), dict(diffs)
             if second_comparison is not None:
                 outputs, gradients = second_comparison
                 report.second_input_error = outputs.max_error
@@ -360,11 +368,28 @@ def optimize(
             signature = InputSignature(model, args, free, fixed_values=captured.frontend == "export" or not info.own_passes, fixed_arguments=fixed_arguments)
             if not info.own_passes:
                 checks = [check for check in (example, second) if check is not None] if verify else []
-                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks)
+                conversions = _shared_by_engines("conversions", dict, info)
+                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks, conversions)
             optimized = OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
         if int8 and passes is None and not int8_modules(optimized):
             return _float_instead_of_int8(model, example_inputs, dict(common, memory_format=memory_format), report)
         return optimized
+
+
+# Within one tune=True call, every engine candidate (each engine other than PyTorch, in each precision) is built
+# from the same graph: the same capture, the same portable passes. `_tuned` sets this to a dict, and the first
+# engine candidate's capture, passes and conversions (`EngineInput.reused`) serve the others.
+_ENGINE_GRAPH: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("graphopt_engine_graph", default=None)
+
+
+def _shared_by_engines(step: str, make: Callable[[], Any], info: EngineInfo) -> Any:
+    """``make()``; within `_tuned`, for an engine other than PyTorch, what the first engine candidate made at ``step``."""
+    shared = _ENGINE_GRAPH.get()
+    if shared is None or info.own_passes:
+        return make()
+    if step not in shared:
+        shared[step] = make()
+    return shared[step]
 
 
 def _check_engine(info: EngineInfo, mode: Mode, precision: str, memory_format: str, fuse: str | None, passes: Sequence[str] | None) -> None:
@@ -392,12 +417,21 @@ def _check_engine(info: EngineInfo, mode: Mode, precision: str, memory_format: s
 
 
 def _on_engine(
-    info: EngineInfo, gm: fx.GraphModule, args: tuple[Any, ...], free: dynamic.Dims, precision: str, low_dtype: torch.dtype | None, checks: list[Check]
+    info: EngineInfo,
+    gm: fx.GraphModule,
+    args: tuple[Any, ...],
+    free: dynamic.Dims,
+    precision: str,
+    low_dtype: torch.dtype | None,
+    checks: list[Check],
+    conversions: dict[str, Any],
 ) -> tuple[nn.Module, EngineReport]:
-    """The runner engine ``info`` builds from the optimized graph, verified on ``checks`` like a pass (else `VerificationError`)."""
+    """The runner engine ``info`` builds from the optimized graph, verified on ``checks`` like a pass (else `VerificationError`).
+
+    ``conversions``: what the engines made from this same graph before (`EngineInput.reused`)."""
     started = time.perf_counter()
     for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)
-        runner = info.build(EngineInput(gm, copied_inputs(args), free, precision))  # type: ignore[misc]
+        runner = info.build(EngineInput(gm, copied_inputs(args), free, precision, conversions))  # type: ignore[misc]
     report = EngineReport(info.name, precision, build_seconds=time.perf_counter() - started)
     errors = []
     for check in checks:
@@ -508,21 +542,25 @@ def _tuned(
     if batches is not None:
         settings["calibration"] = f"{len(batches)} batches"
     onednn = resolved_mode == "inference" and device_types(model) == {"cpu"} and torch.backends.mkldnn.is_available()
-    return tuning.tune(
-        build,
-        model,
-        args,
-        fixed=fixed,
-        accuracy=float(accuracy),
-        budget_s=float(budget_s),
-        low_precisions=low_precisions,
-        settings=settings,
-        onednn=onednn,
-        emulated=emulated,
-        int8=batches is not None,
-        # the engines other than PyTorch serve CPU inference
-        engines=[info for info in ENGINES.values() if not info.own_passes] if resolved_mode == "inference" and device_types(model) == {"cpu"} else [],
-    )
+    shared = _ENGINE_GRAPH.set({})
+    try:
+        return tuning.tune(
+            build,
+            model,
+            args,
+            fixed=fixed,
+            accuracy=float(accuracy),
+            budget_s=float(budget_s),
+            low_precisions=low_precisions,
+            settings=settings,
+            onednn=onednn,
+            emulated=emulated,
+            int8=batches is not None,
+            # the engines other than PyTorch serve CPU inference
+            engines=[info for info in ENGINES.values() if not info.own_passes] if resolved_mode == "inference" and device_types(model) == {"cpu"} else [],
+        )
+    finally:
+        _ENGINE_GRAPH.reset(shared)
 
 
 def _output_tolerance(expected: Any, compute_dtype: torch.dtype | None) -> float | None:

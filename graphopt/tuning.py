@@ -23,8 +23,8 @@ inputs, on the target device:
    never slower than eager beyond measurement noise.
 
 ``tune_budget_s`` bounds the work: candidates are built likeliest winner first, building
-stops when half the budget is spent, and the expensive ones (compilation) are built only
-when the budget allows them; what was left out is listed with the reason. Results are
+stops when half the budget is spent, and graphopt's own compiling candidates (``fuse=``) are
+built only when the budget allows them; what was left out is listed with the reason. Results are
 cached per (model structure, input shapes and dtypes, device, options, candidates and
 their pass lists) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
 ``~/.cache/graphopt``), so a second call builds the winner without measuring.
@@ -54,7 +54,7 @@ from graphopt.timing import Ranking, rank_latencies, remeasure_requested
 # A low precision is a candidate only when the accuracy budget admits its documented error bound.
 LOW_PRECISION_BOUNDS = {"bf16": 3e-2, "fp16": 1e-2}
 DEFAULT_BUDGET_S = 60.0
-COMPILE_BUDGET_S = 120.0  # below this budget, candidates that compile (fusion, torch.compile) are left out
+COMPILE_BUDGET_S = 120.0  # below this budget, graphopt's own candidates that compile (fuse=) are left out
 
 # The timer is a module attribute so that tests can replace it with a deterministic one.
 measure_latencies: Callable[..., Ranking] = rank_latencies
@@ -66,7 +66,6 @@ _memory_cache: dict[str, dict[str, Any]] = {}
 class Candidate:
     name: str
     options: dict[str, Any] = field(default_factory=dict)  # graphopt.optimize options
-    compiles: bool = False
     required: bool = False  # built whatever the budget: the reference, and the default call tune must not lose to
 
 
@@ -95,8 +94,10 @@ def candidates(
     layers over ``accuracy`` kept in float32) is a candidate, built first, unless explicit
     options rule it out. ``engines``: the engines other than PyTorch that may serve the model
     (inference on the CPU): each in each precision it computes in and ``accuracy`` admits, built
-    right after the reference (the likeliest winners where a strong runtime exists), those that
-    compile only when the budget allows; one not installed is listed with the extra to install.
+    right after the reference (the likeliest winners where a strong runtime exists), every engine's
+    lowest precision first, all from one capture and one run of the portable passes (`graphopt.api`
+    shares them within a tune call, and the engines their conversions); one not installed is listed
+    with the extra to install.
     The default call itself (``optimize(model, inputs)``) is a candidate whenever no option is
     fixed, built whatever the budget as the reference is, so that the result is never slower
     than it beyond measurement noise.
@@ -118,11 +119,11 @@ def candidates(
     if "precision" in fixed:
         precisions = [fixed["precision"]]
     built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"}, required=True)] if "passes" not in fixed else []
-    engine_candidates, engines_left_out = _engine_candidates(fixed, precisions, engines, budget_s)
+    engine_candidates, engines_left_out = _engine_candidates(fixed, precisions, engines)
     left_out += engines_left_out
     if "engine" in fixed:  # only that engine is tuned, in its precisions
         return engine_candidates, left_out
-    built += [candidate for candidate in engine_candidates if not candidate.compiles]
+    built += engine_candidates
     if not fixed:
         built.append(Candidate("default call", {}, required=True))
     for precision in reversed(precisions):
@@ -143,31 +144,33 @@ def candidates(
         if fuse is None:
             continue
         for layout in layouts[-1:]:
-            candidate = Candidate(f"{best_precision} {layout} + fuse={fuse}", {"precision": best_precision, "memory_format": layout, "fuse": fuse}, compiles=True)
+            candidate = Candidate(f"{best_precision} {layout} + fuse={fuse}", {"precision": best_precision, "memory_format": layout, "fuse": fuse})
             if budget_s < COMPILE_BUDGET_S and "fuse" not in fixed:
                 left_out.append(TuneCandidate(candidate.name, candidate.options, status="not built", reason=f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"))
             else:
                 built.append(candidate)
-    return built + [candidate for candidate in engine_candidates if candidate.compiles], left_out
+    return built, left_out
 
 
-def _engine_candidates(fixed: Mapping[str, Any], precisions: list[str], engines: Sequence[EngineInfo], budget_s: float) -> tuple[list[Candidate], list[TuneCandidate]]:
-    """Each engine in each of ``precisions`` (lowest first) it computes in, and the engines left out with the reason."""
-    built, left_out = [], []
+def _engine_candidates(fixed: Mapping[str, Any], precisions: list[str], engines: Sequence[EngineInfo]) -> tuple[list[Candidate], list[TuneCandidate]]:
+    """Each engine in each of ``precisions`` it computes in, lowest precision first (on a CPU with native bf16, every
+    engine's bf16 before any fp32), and the engines left out with the reason."""
+    usable, left_out = [], []
     ruled_out = [name for name in ("memory_format", "passes", "fuse") if name in fixed]
     for info in engines:
         if "engine" in fixed and fixed["engine"] != info.name:
             continue
-        options = {"engine": info.name}
         reason = info.missing() or (f"explicit {', '.join(f'{name}=' for name in ruled_out)} rules engines out" if ruled_out else "")
-        if not reason and info.compiles and budget_s < COMPILE_BUDGET_S:
-            reason = f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"
         if reason:
-            left_out.append(TuneCandidate(info.name, options, status="not built", reason=reason))
-            continue
-        for precision in reversed(precisions):
-            if precision in info.precisions:
-                built.append(Candidate(f"{info.name} {precision}", {**options, "precision": precision}, compiles=info.compiles))
+            left_out.append(TuneCandidate(info.name, {"engine": info.name}, status="not built", reason=reason))
+        else:
+            usable.append(info)
+    built = [
+        Candidate(f"{info.name} {precision}", {"engine": info.name, "precision": precision})
+        for precision in reversed(precisions)
+        for info in usable
+        if precision in info.precisions
+    ]
     return built, left_out
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,15 @@ class EngineInput:
     example_inputs: tuple[Any, ...]  # forward()'s positional arguments (copies: an engine may run them)
     dims: Dims  # per pytree leaf of example_inputs, the dimensions calls may take other sizes of
     precision: str  # "fp32", or a low precision from the engine's `EngineInfo.precisions`
+    # what builds of this same graph share (tune builds each engine in each precision from one graph): see `reused`
+    conversions: dict[str, Any] = field(default_factory=dict)
+
+    def reused(self, name: str, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per graph: the other builds from the same graph (another precision, another
+        engine under ``tune=True``) get the same object, so it must not be changed once made."""
+        if name not in self.conversions:
+            self.conversions[name] = make()
+        return self.conversions[name]
 
 
 class EngineRunner(nn.Module):
@@ -74,7 +83,7 @@ class EngineInfo:
     # the module that must be importable, and the pip extra that installs it (None: part of graphopt's core)
     requires: str | None = None
     extra: str | None = None
-    # building it compiles for minutes on large models: tune builds it only when its budget allows
+    # building it compiles for minutes on large models (its `costs` say so; the tests mark its builds slow)
     compiles: bool = False
     # graph -> runner (None: graphopt's own PyTorch runtime, whose passes make the result)
     build: Callable[[EngineInput], EngineRunner] | None = None

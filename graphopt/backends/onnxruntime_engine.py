@@ -116,7 +116,7 @@ def build(request: EngineInput) -> OnnxRuntimeRunner:
     if any(tensor.device.type != "cpu" for tensor in tensor_leaves(request.example_inputs)):
         raise EngineError("engine='onnxruntime' runs on the CPU here: give example inputs on the CPU (device='cpu')")
     args = request.example_inputs
-    program = export_program(request.graph_module, args, request.dims, "onnxruntime")
+    program = request.reused("torch.export", lambda: export_program(request.graph_module, args, request.dims, "onnxruntime"))
     with torch.no_grad():
         example_outputs = request.graph_module(*args)
     files = tempfile.TemporaryDirectory(prefix="graphopt-onnxruntime-")

@@ -105,17 +105,21 @@ def build(request: EngineInput) -> OpenVINORunner:
     _check_precision(request.precision)
     if any(tensor.device.type != "cpu" for tensor in tensor_leaves(request.example_inputs)):
         raise EngineError("engine='openvino' runs on the CPU here: give example inputs on the CPU (device='cpu')")
-    program = export_program(request.graph_module, request.example_inputs, request.dims, "openvino")
+    program = request.reused("torch.export", lambda: export_program(request.graph_module, request.example_inputs, request.dims, "openvino"))
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            model = _openvino().convert_model(program)
+        model = request.reused("openvino model", lambda: _convert(program))  # one conversion for every precision
         runner = OpenVINORunner(model, request.precision, output_structure(request.graph_module, request.example_inputs), _shapes(request.example_inputs))
     except EngineError:
         raise
     except Exception as error:  # OpenVINO's own conversion or compilation error, quoted
         raise EngineError(f"engine='openvino' could not convert or compile graphopt's graph ({error_summary(error)})") from error
     return runner
+
+
+def _convert(program: torch.export.ExportedProgram) -> Any:
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return _openvino().convert_model(program)
 
 
 def load(folder: Path, settings: Mapping[str, Any], graph_module: fx.GraphModule, example_inputs: tuple[Any, ...]) -> OpenVINORunner:
