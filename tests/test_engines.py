@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
+from tests.engine_models import TokenModel, conv_net, tokens
 from graphopt import timing, tuning
 from graphopt.backends import ENGINES
 from graphopt.errors import EngineError, InvalidOptionError, ModeSwitchError, VerificationError
@@ -36,48 +37,6 @@ SLOW = {name for name in ENGINE_NAMES if ENGINES[name].compiles}  # a compiling 
 def engines(*marks: Any) -> list[Any]:
     """The engine names as parameters, the compiling ones marked slow."""
     return [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in ENGINE_NAMES]
-
-
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
-        self.head = nn.Linear(8, 5)
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        features = torch.relu(self.bn(self.conv(x)))
-        pooled = features.mean(dim=(2, 3))
-        return {"logits": self.head(pooled), "features": pooled}
-
-
-class TokenModel(nn.Module):
-    """Embedding, masked self-attention, a head: token ids and an attention mask, batch and sequence dynamic."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(50, 16)
-        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        attended, _ = self.attention(x, x, x, key_padding_mask=attention_mask == 0, need_weights=False)
-        return self.head(attended + x)
-
-
-def conv_net() -> nn.Module:
-    model = ConvNet().eval()
-    with torch.no_grad():
-        model.bn.running_mean.uniform_(-0.5, 0.5)
-        model.bn.running_var.uniform_(0.5, 2.0)
-    return model
-
-
-def tokens(batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = torch.ones(batch, length, dtype=torch.int64)
-    mask[0, length // 2 :] = 0
-    return torch.randint(0, 50, (batch, length)), mask
 
 
 def assert_matches(expected: Any, actual: Any, tolerance: float = 1e-4) -> None:

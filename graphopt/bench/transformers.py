@@ -83,7 +83,8 @@ def onnxruntime_runner(model: nn.Module, inputs: dict[str, torch.Tensor], workdi
     program.save(str(path))
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")  # between the ops of a run ...
+    options.add_session_config_entry("session.force_spinning_stop", "1")  # ... not after it (the next variant's cores)
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [spec.name for spec in session.get_inputs()]
     feeds = {name: inputs[name].numpy() for name in names}

@@ -209,8 +209,10 @@ def _onnxruntime(*, graphopt_export: bool) -> Callable[[Setup], Runner]:
             _plain_onnx_export(model, inputs, path)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = torch.get_num_threads()  # the same cores as the torch variants
-        # onnxruntime's threads otherwise spin after each run and steal the cores from the next variant
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # threads spin between the ops of a run (onnxruntime's default) but stop when it returns: left spinning they
+        # would steal the cores from the next variant; never spinning, every op would wake them again
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         session = onnxruntime.InferenceSession(str(path), options, providers=providers)
         # on CUDA the inputs and outputs are copied between host and device on every call
         feeds = {spec.name: tensor.numpy() for spec, tensor in zip(session.get_inputs(), inputs, strict=True)}

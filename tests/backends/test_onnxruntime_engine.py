@@ -77,7 +77,9 @@ def test_the_session_is_tuned_for_latency_and_returns_the_model_structure() -> N
 
     options = runner.session.get_session_options()
     assert options.intra_op_num_threads == torch.get_num_threads()
-    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    # threads spin between the ops of a run and stop when it returns
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     assert options.graph_optimization_level == onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
     assert options.execution_mode == onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     # graphopt's ONNX export: the dynamic dimension and the outputs named as export_onnx names them
