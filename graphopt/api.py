@@ -369,7 +369,10 @@ def optimize(
             if not info.own_passes:
                 checks = [check for check in (example, second) if check is not None] if verify else []
                 conversions = _shared_by_engines("conversions", dict, info)
-                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks, conversions)
+                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks, conversions, verifier)
+            if verifier is not None and low_dtype is not None and (example.description, low_dtype) in verifier.autocast:
+                report.tolerance = verifier.low_precision_tolerances(example, low_dtype)[0]  # what the precision was held to
+                report.notes += _autocast_notes(verifier)
             optimized = OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
         if int8 and passes is None and not int8_modules(optimized):
             return _float_instead_of_int8(model, example_inputs, dict(common, memory_format=memory_format), report)
@@ -425,10 +428,12 @@ def _on_engine(
     low_dtype: torch.dtype | None,
     checks: list[Check],
     conversions: dict[str, Any],
+    verifier: Verifier | None,
 ) -> tuple[nn.Module, EngineReport]:
     """The runner engine ``info`` builds from the optimized graph, verified on ``checks`` like a pass (else `VerificationError`).
 
-    ``conversions``: what the engines made from this same graph before (`EngineInput.reused`)."""
+    ``conversions``: what the engines made from this same graph before (`EngineInput.reused`). In a low
+    precision the runner is held to torch.autocast's own error in it (`Verifier.low_precision_tolerances`)."""
     started = time.perf_counter()
     for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)
         runner = info.build(EngineInput(gm, copied_inputs(args), free, precision, conversions))  # type: ignore[misc]
@@ -437,7 +442,8 @@ def _on_engine(
     for check in checks:
         with torch.inference_mode():
             actual = runner(*copied_inputs(check.args))
-        comparison = verify_outputs.compare(check.expected.outputs, actual, low_dtype)
+        tolerance = verifier.low_precision_tolerances(check, low_dtype)[0] if low_dtype is not None and verifier is not None else None
+        comparison = verify_outputs.compare(check.expected.outputs, actual, low_dtype, tolerance)
         if not comparison.ok:
             size = "" if comparison.max_error == float("inf") else f" by {comparison.max_error:.3e} relative to the output's scale (tolerance {comparison.tolerance:.0e})"
             reason = f"engine={info.name!r} ({precision}) computes {comparison.where} differently from the original model on {check.description}{size}: {comparison.detail}."
@@ -450,6 +456,19 @@ def _on_engine(
     report.max_error = errors[0] if errors else None
     report.second_input_error = errors[1] if len(errors) > 1 else None
     return runner, report
+
+
+def _autocast_notes(verifier: Verifier) -> list[str]:
+    """How the low precision was judged: torch.autocast's own errors in it, and the multiple a graph may reach."""
+    notes = []
+    for (description, dtype), (outputs, gradients) in verifier.autocast.items():
+        name = str(dtype).removeprefix("torch.")
+        own = f"{outputs:.1e} of the output's scale" + (f", gradients {gradients:.1e}" if gradients is not None else "")
+        notes.append(
+            f"{name} judged against torch.autocast({name}) on {description}: autocast's own error {own}; "
+            f"accepted up to {verify_outputs.AUTOCAST_FACTOR:g}x that, and at least one {name} rounding ({verify_outputs.low_precision_floor(dtype):.1e})"
+        )
+    return notes
 
 
 def _float_instead_of_int8(model: nn.Module, example_inputs: Any, options: dict[str, Any], attempt: Report) -> OptimizedModule:

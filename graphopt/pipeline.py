@@ -29,7 +29,7 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -265,23 +265,46 @@ class Verifier:
     mode: Mode
     strict: bool = False
     second_each_pass: bool = False
-    original: Callable[[], nn.Module] | None = None  # a fresh copy of the original model (float64 confirmation)
+    original: Callable[[], nn.Module] | None = None  # a fresh copy of the original model (float64 confirmation, autocast)
     int8_accuracy: float | None = None  # optimize(precision="int8"): the accepted output error once layers run in int8
+    # (check description, low dtype) -> torch.autocast's own errors on that check (outputs, gradients): see `low_precision_tolerances`
+    autocast: dict[tuple[str, torch.dtype], tuple[float, float | None]] = field(default_factory=dict)
+
+    def low_precision_tolerances(self, check: verify.Check, dtype: torch.dtype) -> tuple[float, float]:
+        """The errors a graph computing in ``dtype`` may have on ``check`` (outputs, gradients): `verify.AUTOCAST_FACTOR`
+        times torch.autocast's own in that dtype, measured on the original once per check, and never under one
+        rounding in ``dtype`` (`verify.low_precision_floor`: where autocast changes little or nothing)."""
+        key = (check.description, dtype)
+        if key not in self.autocast:
+            assert self.original is not None
+            self.autocast[key] = verify.autocast_errors(check, self.original(), dtype, gradients=self.mode == "training")
+        outputs, gradients = self.autocast[key]
+        floor = verify.low_precision_floor(dtype)
+        return max(floor, verify.AUTOCAST_FACTOR * outputs), max(floor, verify.AUTOCAST_FACTOR * (gradients or 0.0))
 
     def compare(
         self, gm: fx.GraphModule, check: verify.Check, compute_dtype: torch.dtype | None, removed: set[str]
     ) -> tuple[verify.Comparison, verify.Comparison | None]:
-        """The graph's error on ``check``: outputs, and in training mode gradients (else None)."""
+        """The graph's error on ``check``: outputs, and in training mode gradients (else None).
+
+        A graph computing in bf16 or fp16 is held to torch.autocast's own error in that dtype on the same
+        input (`low_precision_tolerances`); int8 to the caller's accuracy budget; the rest to float32's tolerance."""
         training = self.mode == "training"
+        low = compute_dtype in (torch.bfloat16, torch.float16) and self.original is not None
+        output_tolerance, gradient_tolerance = self.low_precision_tolerances(check, compute_dtype) if low else (None, None)  # type: ignore[arg-type]
+        if compute_dtype == torch.int8:
+            output_tolerance = self.int8_accuracy
         actual = verify.run_reference(gm, check.args, gradients=training)
-        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype, self.int8_accuracy if compute_dtype == torch.int8 else None)
+        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype, output_tolerance)
         if not training or check.expected.gradients is None or actual.gradients is None:
             return outputs, None
-        tolerance = max(verify.tolerance_for(torch.float32), verify.tolerance_for(compute_dtype) if compute_dtype else 0.0)
-        gradients = verify.compare_gradients(check.expected.gradients, actual.gradients, tolerance, removed, values=compute_dtype is None)
-        if self.original is not None:
+        if gradient_tolerance is None:
+            gradient_tolerance = max(verify.tolerance_for(torch.float32), verify.tolerance_for(compute_dtype) if compute_dtype else 0.0)
+        values = compute_dtype is None or low
+        gradients = verify.compare_gradients(check.expected.gradients, actual.gradients, gradient_tolerance, removed, values=values)
+        if self.original is not None and compute_dtype is None:
             gradients = verify.confirm_gradients(gradients, self.original(), gm, check.args, removed)
-        if compute_dtype is not None and gradients.ok:
+        if not values and gradients.ok:
             return outputs, None  # which parameters receive gradients was checked; there is no value error to report
         return outputs, gradients
 

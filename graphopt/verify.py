@@ -40,6 +40,19 @@ TOLERANCES: dict[torch.dtype, float] = {
 
 SEED = 0
 
+# A low-precision graph (bf16, fp16) is judged against torch.autocast in the same dtype on the same input: it
+# passes while its error (outputs; in training gradients too) is at most this multiple of autocast's own error.
+# Measured: graphopt's bf16 0.66-1.12x autocast's output error on the reference and anchor models in inference,
+# 1.00x in training (outputs and gradients); OpenVINO's and Inductor's bf16 0.8-1.4x.
+AUTOCAST_FACTOR = 2.0
+
+
+def low_precision_floor(dtype: torch.dtype) -> float:
+    """The smallest error a low-precision graph is held to: one rounding in ``dtype`` (its machine epsilon, bf16
+    7.8e-3, fp16 9.8e-4). Below it no rewrite is clearly worse than autocast: autocast's own error can be far
+    smaller where it lowers few ops (fp16 on a small ResNet: 2.2e-4, graphopt's BatchNorm-folded weights 4.9e-4)."""
+    return float(torch.finfo(dtype).eps)
+
 
 def tolerance_for(dtype: torch.dtype) -> float:
     """Accepted relative error for outputs of ``dtype`` (0 for exact types)."""
@@ -188,6 +201,27 @@ def run_reference(module: nn.Module, args: tuple[Any, ...], seed: int = SEED, gr
         grads = _gradients(module, outputs) if gradients else None
     detached = pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, outputs)
     return Reference(detached, state, grads)
+
+
+def autocast_errors(check: Check, module: nn.Module, dtype: torch.dtype, gradients: bool) -> tuple[float, float | None]:
+    """The error of ``module`` under ``torch.autocast(dtype)`` on the inputs' device, what every PyTorch user accepts
+    as that precision, against the original on ``check``: outputs (cast back to the original's dtypes) and, with
+    ``gradients``, gradients (else None)."""
+    devices = {leaf.device.type for leaf in pytree.tree_leaves(check.args) if isinstance(leaf, torch.Tensor)} or {"cpu"}
+    with torch.autocast(devices.pop(), dtype=dtype):
+        reference = run_reference(module, check.args, gradients=gradients)
+    try:
+        actual = pytree.tree_map(_like_expected, reference.outputs, check.expected.outputs)
+    except (ValueError, TypeError):  # another output structure: compare says so
+        actual = reference.outputs
+    outputs = compare(check.expected.outputs, actual).max_error
+    if not gradients or check.expected.gradients is None or reference.gradients is None:
+        return outputs, None
+    return outputs, compare_gradients(check.expected.gradients, reference.gradients, float("inf")).max_error
+
+
+def _like_expected(actual: Any, expected: Any) -> Any:
+    return actual.to(expected.dtype) if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor) else actual
 
 
 @dataclass

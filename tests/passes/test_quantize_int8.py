@@ -15,6 +15,7 @@ from graphopt.errors import ExportError, InvalidInputsError, InvalidModelError, 
 from graphopt.runtime.int8 import Int8Conv, Int8Linear, Int8Op, activation_levels, quantize_weight
 from graphopt.runtime.onednn import PostOp
 from tests.conftest import measured_as, relative_error
+from tests.digits import DigitsNet, digits
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 FP32 = 1e-5  # the kernel against the same arithmetic in float32: int32 accumulation is exact, the rest float32 rounding
@@ -373,29 +374,8 @@ def test_int8_modules_are_refused_by_save_export_and_a_second_optimize(tmp_path)
     assert not list(tmp_path.iterdir())
 
 
-class DigitsNet(nn.Module):
-    """A small CNN for scikit-learn's 8x8 digits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        )  # fmt: skip
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
-
-
 def test_a_trained_cnn_keeps_its_top1_accuracy_in_int8() -> None:
-    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn ships the digits dataset (pip install -e '.[test]')")
-    digits = datasets.load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16
-    labels = torch.tensor(digits.target)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    train, test = order[:1400], order[1400:]
+    images, labels, train, test = digits()
     model = DigitsNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(8):
