@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-deploy bench-gpu clean
+.PHONY: venv test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-train bench-deploy bench-gpu clean
 
 venv: $(STAMP)
 
@@ -80,6 +80,13 @@ bench-reference: $(BENCH_STAMP)
 # graphopt against eager, torch.compile and onnxruntime, interleaved (about 10 minutes on 2 cores). BENCH_ARGS: e.g. "--rounds 20".
 bench-transformers: $(BENCH_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m graphopt.bench.transformers $(BENCH_ARGS)
+
+# One training step (forward, cross-entropy, backward, SGD, zero_grad) of ResNet-50, MobileNetV2, ViT-B/16 (batch 8)
+# and a BERT-base fine-tuning step (batch 8, sequence 128, attention mask): graphopt's training call, default and
+# precision="bf16", against eager bf16 autocast (+ channels_last) and torch.compile (fp32, + bf16 autocast),
+# interleaved, on a quiet machine. BENCH_ARGS: e.g. "--models resnet50,mobilenet_v2 --rounds 10".
+bench-train: $(BENCH_STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m graphopt.bench.train $(BENCH_ARGS)
 
 # A saved-and-loaded module and an AOTInductor package (graphopt.save / graphopt.package) against the Python module,
 # eager and torch.compile (Inductor, freezing) on ResNet-50 and ViT-B/16, batch 8, interleaved (about 10 minutes

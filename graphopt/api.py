@@ -12,7 +12,7 @@ import contextvars
 import copy
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo, EngineInput, 
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, compile_graph, compile_regions
 from graphopt.capture import Captured, capture_graph, check_frontend, one_at_a_time
 from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
-from graphopt.diff import snapshot
+from graphopt.diff import NodeInfo, snapshot
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, SideEffectWarning, VerificationError, VerificationWarning
 from graphopt.inputs import InputSignature, argument_names, copied_inputs, unread_arguments
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext
@@ -286,7 +286,7 @@ def optimize(
         # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
         with preserved_user_objects(owned, module_attributes=False):
 
-            def capture() -> tuple[Check, SecondInputs, Captured, str, tuple[str, ...], Any]:
+            def capture() -> tuple[Check, SecondInputs, Captured, str, Collection[str], list[NodeInfo]]:
                 with watch_side_effects(owned) as watch:
                     example = Check(args, reference_run(owned, args, gradients=training), "the example inputs")
                 others = SecondInputs(owned, args, request.dims, gradients=training)
