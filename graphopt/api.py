@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphopt import dynamic, progress, tuning
-from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo, EngineInput, engine_info
+from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo, EngineInput, EngineRunner, engine_info
 from graphopt.backends.fuse_compile import FUSE_BACKENDS, compile_graph, compile_regions
 from graphopt.capture import Captured, capture_graph, check_frontend, one_at_a_time
 from graphopt.device import device_types, enable_cudnn_benchmark, resolve_device
@@ -243,7 +243,7 @@ def optimize(
             low_precision=graph_dtype is not None,
             fuse=fuse,
             measure=measure,
-            int8=int8,
+            int8=int8 and info.own_passes,  # another engine quantizes itself
             portable=not info.own_passes,
         )
         check_frontend(frontend)  # every option is checked before the costly steps below
@@ -369,12 +369,20 @@ def optimize(
             if not info.own_passes:
                 checks = [check for check in (example, second) if check is not None] if verify else []
                 conversions = _shared_by_engines("conversions", dict, info)
-                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks, conversions, verifier)
+                int8_budget = (batches, int8_accuracy) if int8 else None
+                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks, conversions, verifier, int8_budget)
+                if int8 and runner.int8_fell_back:
+                    message = (
+                        f"precision='int8': no conv or linear stayed in int8 within accuracy={int8_accuracy:g} on engine={info.name!r}, "
+                        f"so this is its float32 result; the engine's notes say why each layer is not in int8"
+                    )
+                    warnings.warn(f"graphopt: {message}", UserWarning, stacklevel=3)
+                    report.warnings.append(message)
             if verifier is not None and low_dtype is not None and (example.description, low_dtype) in verifier.autocast:
                 report.tolerance = verifier.low_precision_tolerances(example, low_dtype)[0]  # what the precision was held to
                 report.notes += _autocast_notes(verifier)
             optimized = OptimizedModule(gm, report, runner, original_keys=model.state_dict().keys(), signature=signature)
-        if int8 and passes is None and not int8_modules(optimized):
+        if int8 and info.own_passes and passes is None and not int8_modules(optimized):
             return _float_instead_of_int8(model, example_inputs, dict(common, memory_format=memory_format), report)
         return optimized
 
@@ -429,21 +437,24 @@ def _on_engine(
     checks: list[Check],
     conversions: dict[str, Any],
     verifier: Verifier | None,
-) -> tuple[nn.Module, EngineReport]:
+    int8_budget: tuple[tuple[tuple[Any, ...], ...], float] | None = None,
+) -> tuple[EngineRunner, EngineReport]:
     """The runner engine ``info`` builds from the optimized graph, verified on ``checks`` like a pass (else `VerificationError`).
 
     ``conversions``: what the engines made from this same graph before (`EngineInput.reused`). In a low
-    precision the runner is held to torch.autocast's own error in it (`Verifier.low_precision_tolerances`)."""
+    precision the runner is held to torch.autocast's own error in it (`Verifier.low_precision_tolerances`);
+    in int8 (``int8_budget``: the calibration batches and the output error budget) to the budget."""
     started = time.perf_counter()
+    calibration, accuracy = int8_budget or ((), None)
     for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)
-        runner = info.build(EngineInput(gm, copied_inputs(args), free, precision, conversions))  # type: ignore[misc]
-    report = EngineReport(info.name, precision, build_seconds=time.perf_counter() - started)
+        runner = info.build(EngineInput(gm, copied_inputs(args), free, precision, conversions, calibration, accuracy))  # type: ignore[misc]
+    report = EngineReport(info.name, precision, build_seconds=time.perf_counter() - started, notes=list(runner.notes))
     errors = []
     for check in checks:
         with torch.inference_mode():
             actual = runner(*copied_inputs(check.args))
-        tolerance = verifier.low_precision_tolerances(check, low_dtype)[0] if low_dtype is not None and verifier is not None else None
-        comparison = verify_outputs.compare(check.expected.outputs, actual, low_dtype, tolerance)
+        tolerance = verifier.low_precision_tolerances(check, low_dtype)[0] if low_dtype is not None and verifier is not None else accuracy
+        comparison = verify_outputs.compare(check.expected.outputs, actual, torch.int8 if int8_budget else low_dtype, tolerance)
         if not comparison.ok:
             size = "" if comparison.max_error == float("inf") else f" by {comparison.max_error:.3e} relative to the output's scale (tolerance {comparison.tolerance:.0e})"
             reason = f"engine={info.name!r} ({precision}) computes {comparison.where} differently from the original model on {check.description}{size}: {comparison.detail}."

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from graphopt import dynamic
 from graphopt.api import optimize as optimize_model
-from graphopt.backends.onnx_export import ExportReport, write_checked
+from graphopt.backends.onnx_export import ExportReport, write_checked, write_copy_checked
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ExportError
 from graphopt.inputs import argument_names
@@ -72,11 +72,15 @@ def export_onnx(
     if not destination.parent.is_dir():
         raise ExportError(f"folder {destination.parent} does not exist: create it first")
     stores_bf16 = isinstance(model, OptimizedModule) and any(p.dtype == torch.bfloat16 for p in model.parameters())
-    if optimize_options.get("precision") == "int8" or (isinstance(model, OptimizedModule) and int8_modules(model.graph_module)):
+    if isinstance(model, OptimizedModule) and int8_modules(model.graph_module):
         raise ExportError(
-            "int8 models cannot be exported to ONNX yet (their oneDNN int8 kernels have no QDQ form here): export the model "
-            "without precision='int8' and quantize the ONNX file with onnxruntime.quantization"
+            "this module runs oneDNN's int8 kernels, which have no ONNX form: export the original model with "
+            "precision='int8' and calibration= (a QDQ file quantized by onnxruntime, within accuracy=)"
         )
+    if optimize_options.get("precision") == "int8":
+        if isinstance(model, OptimizedModule) or not optimize:
+            raise ExportError("precision='int8' quantizes while exporting: export the original model with optimize=True")
+        return _export_int8(model, args, destination, dynamic_shapes, verify, optimize_options, started)
     if optimize_options.get("precision") == "bf16" or stores_bf16:
         raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
     if isinstance(model, OptimizedModule) and model.graphopt_report.mode != "inference":
@@ -110,4 +114,27 @@ def export_onnx(
     )  # fmt: skip
     written.optimize_report = report
     written.seconds = time.perf_counter() - started
+    return written
+
+
+def _export_int8(
+    model: nn.Module, args: tuple[Any, ...], destination: Path, dynamic_shapes: Any, verify: bool, options: dict[str, Any], started: float
+) -> ExportReport:
+    """``precision="int8"``: the onnxruntime engine's QDQ file (`graphopt.backends.onnxruntime_engine`), quantized
+    within ``accuracy`` and verified in onnxruntime on the example and a second input, copied to ``destination``."""
+    if not verify:
+        raise ExportError("precision='int8' is held to accuracy= by verification: leave verify on")
+    unsupported = sorted(set(options) - {"precision", "calibration", "accuracy", "disable", "frontend", "device", "remeasure", "progress"})
+    if unsupported:
+        raise ExportError(f"precision='int8' exports onnxruntime's quantized file: {', '.join(f'{name}=' for name in unsupported)} do not apply, leave them out")
+    optimized = optimize_model(model, args, mode="inference", engine="onnxruntime", dynamic_shapes=dynamic_shapes, **options)
+    report, engine = optimized.graphopt_report, optimized.graphopt_report.engine
+    assert engine is not None and optimized.runner is not None
+    files, node_counts, opset = write_copy_checked(optimized.runner.model_file, destination)
+    errors = [error for error in (engine.max_error, engine.second_input_error) if error is not None]
+    written = ExportReport(
+        path=str(destination), files=files, opset=opset, node_counts=node_counts, plain_node_counts=None,
+        max_error=max(errors, default=0.0), batch_sizes=[dynamic.batch_size(args)], seconds=time.perf_counter() - started, dynamic=report.dynamic, optimize_report=report,
+        notes=[f"int8 (QDQ) by onnxruntime's quantizer, verified in onnxruntime on the example inputs and a second input ({report.second_input or 'none'})", *engine.notes],
+    )  # fmt: skip
     return written

@@ -3,7 +3,8 @@
 torch says some things from deep inside its own code while graphopt calls it: torch.fx deep-copies the
 pytree specs of a torch.export graph, which builds torch's own deprecated ``LeafSpec`` (a ``FutureWarning``
 on every capture and save), and the ONNX exporter logs that torchvision is missing each time it builds its
-op registry. Neither names anything the user wrote or can change. `foreign_notices_silenced` drops exactly
+op registry; onnxruntime's quantizer advises its pre-processing (graph optimization, BatchNorm folding:
+graphopt's passes have run) on every call. None names anything the user wrote or can change. `foreign_notices_silenced` drops exactly
 these notices, and only while graphopt's own public calls run (`graphopt.capture.one_at_a_time`): nothing
 is filtered on import or process-wide, and every other warning or log record, graphopt's own included,
 still reaches the user.
@@ -25,6 +26,8 @@ FOREIGN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
 # logger name -> pattern matching the start of the messages it logs about its own setup
 FOREIGN_LOG_MESSAGES: dict[str, str] = {
     "torch.onnx._internal.exporter._registration": "torchvision is not installed",
+    # onnxruntime's quantizer (the onnxruntime engine's int8), through the root logger, on every file it quantizes
+    "root": "Please consider (to run )?pre-processing before quantization",
 }
 
 # What the first import of torchao logs (transformers imports it while building a model, when it is installed):

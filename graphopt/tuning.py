@@ -95,7 +95,7 @@ def candidates(
     options rule it out. ``engines``: the engines other than PyTorch that may serve the model
     (inference on the CPU): each in each precision it computes in and ``accuracy`` admits, built
     right after the reference (the likeliest winners where a strong runtime exists), every engine's
-    lowest precision first, all from one capture and one run of the portable passes (`graphopt.api`
+    lowest precision first (int8 first where calibration batches were given), all from one capture and one run of the portable passes (`graphopt.api`
     shares them within a tune call, and the engines their conversions); one not installed is listed
     with the extra to install.
     The default call itself (``optimize(model, inputs)``) is a candidate whenever no option is
@@ -119,7 +119,7 @@ def candidates(
     if "precision" in fixed:
         precisions = [fixed["precision"]]
     built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"}, required=True)] if "passes" not in fixed else []
-    engine_candidates, engines_left_out = _engine_candidates(fixed, precisions, engines)
+    engine_candidates, engines_left_out = _engine_candidates(fixed, precisions, engines, accuracy if int8 and "precision" not in fixed else None)
     left_out += engines_left_out
     if "engine" in fixed:  # only that engine is tuned, in its precisions
         return engine_candidates, left_out
@@ -152,9 +152,12 @@ def candidates(
     return built, left_out
 
 
-def _engine_candidates(fixed: Mapping[str, Any], precisions: list[str], engines: Sequence[EngineInfo]) -> tuple[list[Candidate], list[TuneCandidate]]:
+def _engine_candidates(
+    fixed: Mapping[str, Any], precisions: list[str], engines: Sequence[EngineInfo], int8_accuracy: float | None = None
+) -> tuple[list[Candidate], list[TuneCandidate]]:
     """Each engine in each of ``precisions`` it computes in, lowest precision first (on a CPU with native bf16, every
-    engine's bf16 before any fp32), and the engines left out with the reason."""
+    engine's bf16 before any fp32), and the engines left out with the reason. ``int8_accuracy``: calibration batches
+    were given, so each engine that quantizes is first tried in int8 within this budget."""
     usable, left_out = [], []
     ruled_out = [name for name in ("memory_format", "passes", "fuse") if name in fixed]
     for info in engines:
@@ -166,6 +169,11 @@ def _engine_candidates(fixed: Mapping[str, Any], precisions: list[str], engines:
         else:
             usable.append(info)
     built = [
+        Candidate(f"{info.name} int8", {"engine": info.name, "precision": "int8", "accuracy": int8_accuracy})
+        for info in usable
+        if int8_accuracy is not None and "int8" in info.precisions
+    ]
+    built += [
         Candidate(f"{info.name} {precision}", {"engine": info.name, "precision": precision})
         for precision in reversed(precisions)
         for info in usable

@@ -27,7 +27,7 @@ import torch.nn as nn
 import graphopt
 from tests.engine_models import TokenModel, conv_net, tokens
 from graphopt import timing, tuning
-from graphopt.backends import ENGINES
+from graphopt.backends import ENGINES, EngineRunner
 from graphopt.errors import EngineError, InvalidOptionError, ModeSwitchError, VerificationError
 
 ENGINE_NAMES = [name for name, info in ENGINES.items() if not info.own_passes]
@@ -130,7 +130,7 @@ def test_a_missing_runtime_names_what_to_install(engine: str, monkeypatch: pytes
         graphopt.optimize(conv_net(), torch.randn(2, 3, 12, 12), engine=engine)
 
 
-class _Shifted(nn.Module):
+class _Shifted(EngineRunner):
     """An engine runner whose outputs are off by 1%: what verification must catch."""
 
     def __init__(self, runner: nn.Module) -> None:

@@ -43,9 +43,13 @@ class EngineInput:
     graph_module: fx.GraphModule  # after the portable passes; an engine must not change it
     example_inputs: tuple[Any, ...]  # forward()'s positional arguments (copies: an engine may run them)
     dims: Dims  # per pytree leaf of example_inputs, the dimensions calls may take other sizes of
-    precision: str  # "fp32", or a low precision from the engine's `EngineInfo.precisions`
+    precision: str  # "fp32", or a low precision from the engine's `EngineInfo.precisions` ("int8": see `calibration`)
     # what builds of this same graph share (tune builds each engine in each precision from one graph): see `reused`
     conversions: dict[str, Any] = field(default_factory=dict)
+    # precision="int8": the batches the engine calibrates on (forward()'s positional arguments), and the output error
+    # budget the engine's result must keep (`graphopt.backends.int8_budget`)
+    calibration: tuple[tuple[Any, ...], ...] = ()
+    accuracy: float | None = None
 
     def reused(self, name: str, make: Callable[[], Any]) -> Any:
         """``make()``, made once per graph: the other builds from the same graph (another precision, another
@@ -64,6 +68,10 @@ class EngineRunner(nn.Module):
     """
 
     engine: str = ""
+    # what the report says of the build (int8: the layers in int8, those kept in float and why)
+    notes: tuple[str, ...] = ()
+    # precision="int8" where no layer stayed in int8 within the budget: the engine's float32 result
+    int8_fell_back: bool = False
 
     def save(self, folder: Path) -> dict[str, Any]:
         """Write the engine's own files into ``folder``; return the JSON-ready settings `EngineInfo.load` needs with them."""

@@ -29,6 +29,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import tempfile
 import time
 import warnings
@@ -206,6 +207,40 @@ def _run_onnxruntime(path: Path, args: tuple[Any, ...]) -> list[torch.Tensor]:
         raise ExportError(f"onnxruntime could not run the exported model ({type(error).__name__}: {error})") from error
 
 
+def _move_into_place(scratch: Path, destination: Path) -> list[str]:
+    """Move the files written in ``scratch`` beside ``destination`` (the ``.onnx`` file and its data file); their paths."""
+    files = []
+    for produced in sorted(scratch.iterdir()):
+        if produced.is_file():
+            target = destination.with_name(produced.name)
+            os.replace(produced, target)
+            files.append(str(target))
+    return files
+
+
+def _checked(path: Path) -> tuple[dict[str, int], int]:
+    """``onnx.checker``'s full check of the file at ``path``; its node counts and opset."""
+    import onnx  # imported where used: `import graphopt` stays light
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as error:
+        raise ExportError(f"the exported model fails onnx.checker ({error}). Nothing was written.") from error
+    return _node_counts(path)
+
+
+def write_copy_checked(source: Path, destination: Path) -> tuple[list[str], dict[str, int], int]:
+    """Copy the ONNX file ``source`` (weights inside it) to ``destination`` once ``onnx.checker`` passed: an engine's
+    file, verified in onnxruntime already (the onnxruntime engine's int8 QDQ file). The files written, node counts, opset."""
+    if any(path.name.startswith(source.name) and path != source for path in source.parent.iterdir()):
+        raise ExportError(f"{source.name} keeps its weights in a separate data file (over 2 GB), which this export does not copy. Nothing was written.")
+    with tempfile.TemporaryDirectory(dir=destination.parent, prefix=f".{destination.name}.") as scratch:
+        staged = Path(scratch) / destination.name
+        shutil.copyfile(source, staged)
+        node_counts, opset = _checked(staged)
+        return _move_into_place(Path(scratch), destination), node_counts, opset
+
+
 def write_checked(
     exported: nn.Module,
     reference: nn.Module,
@@ -229,8 +264,6 @@ def write_checked(
     Raises `ExportError` when the exporter, the checker or onnxruntime fails, `VerificationError`
     when onnxruntime's outputs differ from ``reference``'s; nothing is written then.
     """
-    import onnx  # imported where used: `import graphopt` stays light
-
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=destination.parent, prefix=f".{destination.name}.") as scratch:
         staged = Path(scratch) / destination.name
@@ -241,11 +274,7 @@ def write_checked(
             raise ExportError(
                 f"torch.onnx.export could not export {name} ({error_summary(error)}). Nothing was written."
             ) from error
-        try:
-            onnx.checker.check_model(str(staged), full_check=True)
-        except Exception as error:
-            raise ExportError(f"the exported model fails onnx.checker ({error}). Nothing was written.") from error
-        node_counts, opset_used = _node_counts(staged)
+        node_counts, opset_used = _checked(staged)
 
         batch_sizes: list[int] = []
         max_error = 0.0
@@ -272,12 +301,7 @@ def write_checked(
                 plain_counts = _node_counts(plain_path)[0]
             except Exception:  # the baseline is informative only: graphopt may export what plain export cannot
                 plain_counts = None
-        files = []
-        for produced in sorted(Path(scratch).iterdir()):
-            if produced.is_file():
-                target = destination.with_name(produced.name)
-                os.replace(produced, target)
-                files.append(str(target))
+        files = _move_into_place(Path(scratch), destination)
     return ExportReport(
         path=str(destination),
         files=files,

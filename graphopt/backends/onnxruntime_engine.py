@@ -12,8 +12,14 @@ but stop when it returns (``session.force_spinning_stop``): without spinning eve
 the threads again (MobileNetV2 and EfficientNet-B0 2-4% slower here), and threads left
 spinning after a run would take the cores from torch's threads in the same process.
 
-float32 only: onnxruntime's CPU fp16 kernels are not faster than its fp32 ones, and it has
-no bf16 CPU kernels.
+float32 or int8: onnxruntime's CPU fp16 kernels are not faster than its fp32 ones, and it has
+no bf16 CPU kernels. ``precision="int8"``: onnxruntime's static quantizer
+(``onnxruntime.quantization.quantize_static``) writes a QDQ file (uint8 activations calibrated
+on the calibration batches' range, int8 weights per output channel), held to graphopt's
+accuracy budget (`graphopt.backends.int8_budget`): the convs and linears whose int8 would take
+the output over the budget are left out of quantization (found by the module path the
+exporter records in each node's metadata). `graphopt.export_onnx` writes this file for
+``precision="int8"``.
 
 The ``.onnx`` file (its weights in ``model.onnx.data`` beside it over protobuf's 2 GB, as
 `graphopt.export_onnx` writes them) lives in a temporary folder the runner owns, so that
@@ -23,6 +29,7 @@ without running code from it: no custom-op library is ever registered with a ses
 
 from __future__ import annotations
 
+import ast
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -34,6 +41,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from graphopt.backends.engine import EngineInfo, EngineInput, EngineRunner, export_program, output_structure, tensor_leaves
+from graphopt.backends.int8_budget import quantized_within_budget
 from graphopt.backends.onnx_export import onnx_program, output_names
 from graphopt.errors import EngineError, error_summary
 
@@ -93,6 +101,11 @@ class OnnxRuntimeRunner(EngineRunner):
         # session.run returns new arrays on each call: wrapped without a copy
         return pytree.tree_unflatten([torch.from_numpy(output) for output in session.run(None, feeds)], self.outputs)
 
+    @property
+    def model_file(self) -> Path:
+        """The ONNX file the sessions run."""
+        return Path(self.files.name) / MODEL_FILE
+
     def save(self, folder: Path) -> dict[str, Any]:
         _copy_files(Path(self.files.name), folder)
         return {"example_shapes": [list(shape) for shape in self.example_shapes]}
@@ -128,7 +141,67 @@ def build(request: EngineInput) -> OnnxRuntimeRunner:
     except Exception as error:  # the exporter's own error, quoted
         files.cleanup()
         raise EngineError(f"engine='onnxruntime': torch.onnx.export could not export graphopt's graph ({error_summary(_innermost(error))})") from error
-    return OnnxRuntimeRunner(files, pytree.tree_structure(example_outputs), [tuple(tensor.shape) for tensor in tensor_leaves(args)])
+    outputs, shapes = pytree.tree_structure(example_outputs), [tuple(tensor.shape) for tensor in tensor_leaves(args)]
+    if request.precision == "int8":
+        return _int8(request, files, outputs, shapes)
+    return OnnxRuntimeRunner(files, outputs, shapes)
+
+
+def _int8(request: EngineInput, float_files: tempfile.TemporaryDirectory[str], outputs: pytree.TreeSpec, shapes: list[tuple[int, ...]]) -> OnnxRuntimeRunner:
+    """The float32 file in ``float_files`` quantized to QDQ int8 on the calibration batches, the layers over the budget
+    left in float; the float32 runner where no layer stays in int8."""
+    import onnx
+    from onnxruntime import quantization
+
+    source = Path(float_files.name) / MODEL_FILE
+    nodes = _nodes_by_layer(onnx.load(str(source), load_external_data=False))
+    names = [spec.name for spec in _session(source).get_inputs()]
+    feeds = [{name: tensor.numpy() for name, tensor in zip(names, tensor_leaves(batch), strict=True)} for batch in request.calibration]
+
+    def quantize(in_float: frozenset[str]) -> OnnxRuntimeRunner:
+        files = tempfile.TemporaryDirectory(prefix="graphopt-onnxruntime-")
+        try:
+            quantization.quantize_static(
+                str(source), str(Path(files.name) / MODEL_FILE), _Batches(feeds), quant_format=quantization.QuantFormat.QDQ, per_channel=True,
+                activation_type=quantization.QuantType.QUInt8, weight_type=quantization.QuantType.QInt8,
+                nodes_to_exclude=[node for path in sorted(in_float) for node in nodes.get(path, [])],
+            )  # fmt: skip
+        except Exception as error:  # the quantizer's own error, quoted
+            files.cleanup()
+            raise EngineError(f"engine='onnxruntime', precision='int8': onnxruntime's quantizer failed on graphopt's graph ({error_summary(error)})") from error
+        return OnnxRuntimeRunner(files, outputs, shapes)
+
+    outcome, layers = quantized_within_budget(request, "onnxruntime", quantize, lambda runner: runner)
+    runner = outcome.built or OnnxRuntimeRunner(float_files, outputs, shapes)
+    runner.int8_fell_back = outcome.built is None
+    runner.notes = tuple(outcome.notes(layers, request.accuracy or 0.0, "onnxruntime's quantizer"))
+    return runner
+
+
+class _Batches:
+    """The calibration batches as onnxruntime's quantizer reads them (a ``CalibrationDataReader``)."""
+
+    def __init__(self, feeds: list[dict[str, Any]]) -> None:
+        self.batches = iter(feeds)
+
+    def get_next(self) -> dict[str, Any] | None:
+        return next(self.batches, None)
+
+
+def _nodes_by_layer(model: Any) -> dict[str, list[str]]:
+    """The names of the Conv, Gemm and MatMul nodes of each module path (the exporter's ``name_scopes`` metadata)."""
+    nodes: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "Gemm", "MatMul"):
+            continue
+        scopes = next((entry.value for entry in node.metadata_props if entry.key == "pkg.torch.onnx.name_scopes"), None)
+        try:
+            path = ast.literal_eval(scopes)[-2] if scopes else None
+        except (ValueError, SyntaxError, IndexError):
+            path = None
+        if isinstance(path, str):
+            nodes.setdefault(path, []).append(node.name)
+    return nodes
 
 
 def load(folder: Path, settings: Mapping[str, Any], graph_module: fx.GraphModule, example_inputs: tuple[Any, ...]) -> OnnxRuntimeRunner:
@@ -140,11 +213,11 @@ def load(folder: Path, settings: Mapping[str, Any], graph_module: fx.GraphModule
 
 ENGINE = EngineInfo(
     "onnxruntime",
-    "onnxruntime's CPU session on graphopt's graph exported to ONNX, tuned for latency (inference, CPU, fp32: its CPU "
-    "fp16/bf16 kernels are not faster)",
-    precisions=("fp32",),
+    "onnxruntime's CPU session on graphopt's graph exported to ONNX, tuned for latency (inference, CPU, fp32 or int8 QDQ "
+    "within accuracy=: its CPU fp16/bf16 kernels are not faster)",
+    precisions=("fp32", "int8"),
     requires="onnxruntime",
     build=build,
     load=load,
-    costs="seconds to export to ONNX; two sessions (the example's shapes, other sizes) hold the fp32 weights twice in memory; no autograd, CPU only",
+    costs="seconds to export to ONNX (int8: its quantizer calibrates, once per try within the budget); two sessions (the example's shapes, other sizes) hold the fp32 weights twice in memory; no autograd, CPU only",
 )

@@ -7,6 +7,13 @@ latency hint on torch's thread count, twice: for the example's shapes and for th
 ones. ``precision`` maps to the plugin's inference precision hint (``fp32`` -> ``f32``, ``bf16`` -> ``bf16``, offered where the CPU reports
 native bf16; OpenVINO's own default on such CPUs is bf16, graphopt's is what was asked).
 
+``precision="int8"``: NNCF's post-training ``nncf.quantize`` (its defaults, on the calibration
+batches), held to graphopt's accuracy budget (`graphopt.backends.int8_budget`): the convs and
+linears whose int8 would take the output over the budget go to NNCF's ignored scope (each
+found in OpenVINO's model by its weights). The float ops around the int8 ones run in
+OpenVINO's default precision, as with NNCF alone (bf16 on CPUs with native bf16): the
+budget is measured on the compiled result.
+
 Converting from torch.export rather than OpenVINO's default TorchScript tracing is what
 lets models that tracing fails on (ViT-B/16's ``nn.MultiheadAttention``) through.
 
@@ -19,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +37,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from graphopt.backends.engine import EngineInfo, EngineInput, EngineRunner, export_program, output_structure, tensor_leaves
+from graphopt.backends.int8_budget import Int8Layer, int8_layers, quantized_within_budget
 from graphopt.errors import EngineError, error_summary
 
-HINTS = {"fp32": "f32", "bf16": "bf16"}
+HINTS = {"fp32": "f32", "bf16": "bf16", "int8": None}  # int8: the float ops in OpenVINO's default precision
 MODEL_FILE = "model.xml"
 
 
@@ -56,7 +65,8 @@ def core() -> Any:
 
 
 def _config(precision: str) -> dict[str, Any]:
-    return {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads(), "INFERENCE_PRECISION_HINT": HINTS[precision]}
+    hint = {"INFERENCE_PRECISION_HINT": HINTS[precision]} if HINTS[precision] else {}
+    return {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads(), **hint}
 
 
 def _check_precision(precision: str) -> None:
@@ -108,12 +118,81 @@ def build(request: EngineInput) -> OpenVINORunner:
     program = request.reused("torch.export", lambda: export_program(request.graph_module, request.example_inputs, request.dims, "openvino"))
     try:
         model = request.reused("openvino model", lambda: _convert(program))  # one conversion for every precision
-        runner = OpenVINORunner(model, request.precision, output_structure(request.graph_module, request.example_inputs), _shapes(request.example_inputs))
+        outputs, shapes = output_structure(request.graph_module, request.example_inputs), _shapes(request.example_inputs)
+        if request.precision == "int8":
+            return _int8(request, model, outputs, shapes)
+        runner = OpenVINORunner(model, request.precision, outputs, shapes)
     except EngineError:
         raise
     except Exception as error:  # OpenVINO's own conversion or compilation error, quoted
         raise EngineError(f"engine='openvino' could not convert or compile graphopt's graph ({error_summary(error)})") from error
     return runner
+
+
+def _int8(request: EngineInput, model: Any, outputs: pytree.TreeSpec, shapes: list[tuple[int, ...]]) -> OpenVINORunner:
+    """NNCF's quantization of ``model`` on the calibration batches, the layers over the budget in its ignored scope;
+    OpenVINO's float32 result where no layer stays in int8."""
+    try:
+        import nncf
+    except ImportError as error:
+        raise EngineError("engine='openvino', precision='int8' quantizes with NNCF, which is not installed: pip install 'graphopt[openvino]'") from error
+    feeds = [[tensor.numpy() for tensor in tensor_leaves(batch)] for batch in request.calibration]
+    def quantize(in_float: frozenset[str]) -> OpenVINORunner:
+        ops = request.reused("openvino int8 ops", lambda: _ops_by_layer(model, int8_layers(request.graph_module))) if in_float else {}
+        ignored = nncf.IgnoredScope(names=sorted(ops[path] for path in in_float if path in ops), validate=False)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _nncf_quiet():
+            warnings.simplefilter("ignore")
+            quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds), ignored_scope=ignored)
+        return OpenVINORunner(quantized, "int8", outputs, shapes)
+
+    outcome, layers = quantized_within_budget(request, "openvino", quantize, lambda runner: runner)
+    notes = outcome.notes(layers, request.accuracy or 0.0, "NNCF")
+    if outcome.built is None:
+        runner = OpenVINORunner(model, "fp32", outputs, shapes)
+        runner.int8_fell_back = True
+    else:
+        runner = outcome.built
+    runner.notes = tuple(notes)
+    return runner
+
+
+@contextlib.contextmanager
+def _nncf_quiet() -> Iterator[None]:
+    """NNCF's log (its INFO lines and progress bars) kept out of graphopt's output while it quantizes."""
+    logger = logging.getLogger("nncf")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _ops_by_layer(model: Any, layers: list[Int8Layer]) -> dict[str, str]:
+    """Each layer's op in OpenVINO's ``model`` (path -> the op's name), found by its weights: the conversion names
+    ops after torch.export's nodes, not after modules, and a constant holds the same values whatever its shape."""
+    by_size: dict[int, list[Int8Layer]] = {}
+    for layer in layers:
+        by_size.setdefault(layer.weight.numel(), []).append(layer)
+    found = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() not in ("Convolution", "GroupConvolution", "MatMul"):
+            continue
+        source = op.input(1).get_source_output().get_node()
+        while source.get_type_name() in ("Convert", "Reshape", "Transpose") and source.get_input_size():
+            source = source.input(0).get_source_output().get_node()
+        if source.get_type_name() != "Constant":
+            continue
+        values = torch.from_numpy(source.get_data().astype("float32").ravel())
+        # a linear's weight may be stored transposed for its MatMul
+        matches = [layer for layer in by_size.get(values.numel(), []) if any(torch.equal(weight.flatten(), values) for weight in _orientations(layer.weight))]
+        if len(matches) == 1:
+            found[matches[0].path] = op.get_friendly_name()
+    return found
+
+
+def _orientations(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (weight, weight.t().contiguous()) if weight.dim() == 2 else (weight,)
 
 
 def _convert(program: torch.export.ExportedProgram) -> Any:
@@ -136,10 +215,10 @@ def _shapes(example_inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
 ENGINE = EngineInfo(
     "openvino",
     "OpenVINO's CPU plugin, on graphopt's graph converted through torch.export (inference, CPU)",
-    precisions=("fp32", "bf16"),
+    precisions=("fp32", "bf16", "int8"),
     requires="openvino",
     extra="openvino",
     build=build,
     load=load,
-    costs="a few seconds to convert and compile, twice (the example's shapes, other sizes: the weights twice in memory); the IR (.xml/.bin) holds the fp32 weights; no autograd, CPU only",
+    costs="a few seconds to convert and compile (int8: NNCF's quantization, seconds to a minute, once per try within the budget), twice (the example's shapes, other sizes: the weights twice in memory); the IR (.xml/.bin) holds the fp32 weights; no autograd, CPU only",
 )

@@ -156,7 +156,7 @@ def _graphopt(**options: Any) -> Callable[[Setup], Runner]:
         if missing:
             raise VariantSkipped(f"graphopt.optimize does not accept {', '.join(f'{name}=' for name in missing)} yet")
         resolved = {name: setup.low_precision if value == "low" else value for name, value in options.items()}
-        if resolved.get("precision") == "int8":
+        if resolved.get("precision") == "int8" or resolved.get("calibration"):  # tune=True, calibration=True: int8 is a candidate
             resolved["calibration"] = setup.calibration
         optimized = graphopt.optimize(setup.model, setup.inputs, **resolved)
         return lambda: optimized(*setup.inputs)
@@ -295,7 +295,7 @@ def _pt2e_int8(setup: Setup) -> Runner:
 
 
 def _graphopt_variant(key: str, label: str, class_default: str | None = None, **options: Any) -> Variant:
-    precision = "auto" if options.get("tune") else "low" if options.get("precision") == "low" else options.get("precision", "fp32")
+    precision = "int8" if options.get("calibration") else "auto" if options.get("tune") else "low" if options.get("precision") == "low" else options.get("precision", "fp32")
     return Variant(key, label, "graphopt", _graphopt(**options), class_default, precision)
 
 
@@ -338,6 +338,10 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         _graphopt_variant("graphopt-int8", 'graphopt precision="int8"', "int8", precision="int8"),
         # the output error the int8 peers reach on the anchors (7e-2 to 1.4e-1 measured), instead of the default 5e-2
         _graphopt_variant("graphopt-int8-1e-1", 'graphopt precision="int8", accuracy=1e-1', precision="int8", accuracy=1e-1),
+        _graphopt_variant("graphopt-openvino-int8", 'graphopt engine="openvino" int8', engine="openvino", precision="int8"),
+        _graphopt_variant("graphopt-ort-int8", 'graphopt engine="onnxruntime" int8', engine="onnxruntime", precision="int8"),
+        # every int8 candidate (graphopt's kernels, each engine's) and the float ones, the fastest within the budget
+        _graphopt_variant("graphopt-tune-int8", "graphopt tuned with calibration (accuracy 5e-2)", tune=True, calibration=True, accuracy=5e-2),
         Variant("compile", "torch.compile fp32", "peer", _torch_compile()),
         _low("compile-amp-cl", f"torch.compile {low} autocast + CL", _torch_compile(channels_last=True, autocast=True)),
         Variant("compile-freeze-cl", "torch.compile freezing fp32 + CL", "peer", _torch_compile(channels_last=True, freezing=True)),

@@ -107,6 +107,7 @@ def test_failures_are_recorded_in_the_files(tmp_path: Path, capsys: pytest.Captu
         ("graphopt-cl", "failed", "RuntimeError: graphopt broke"),
         ("graphopt-int8", "failed", "RuntimeError: graphopt broke"),
         ("graphopt-int8-1e-1", "failed", "RuntimeError: graphopt broke"),
+        ("graphopt-ort-int8", "failed", "RuntimeError: graphopt broke"),
     ]
     assert "| graphopt fp32 | failed: RuntimeError: graphopt broke |" in (tmp_path / "bench.md").read_text()
 

@@ -59,7 +59,9 @@ def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None
 def test_each_variant_declares_the_precision_it_computes_in() -> None:
     by_precision = {precision: {v.key for v in variants() if v.precision == precision} for precision in ("fp32", "low", "int8", "auto")}
     assert by_precision["auto"] == {"graphopt-tune", "graphopt-tune-exact", "openvino"}
-    assert by_precision["int8"] == {"graphopt-int8", "graphopt-int8-1e-1", "openvino-int8", "pt2e-int8"}
+    assert by_precision["int8"] == {
+        "graphopt-int8", "graphopt-int8-1e-1", "graphopt-openvino-int8", "graphopt-ort-int8", "graphopt-tune-int8", "openvino-int8", "pt2e-int8"
+    }  # fmt: skip
     assert by_precision["low"] == {key for key in BY_KEY if "amp" in key or "low" in key}
     assert sum(map(len, by_precision.values())) == len(BY_KEY)
     # graphopt's public default for each precision class: the default call, and precision=
@@ -91,6 +93,7 @@ def test_select_keeps_the_baseline_and_matches_shell_patterns() -> None:
     available = variants()
     assert [v.key for v in select(available, ["graphopt-*"], ["*fuse", "*graph", "*tune*", "*onednn", "graphopt-openvino*", "graphopt-inductor*"])] == [
         "eager", "graphopt-default", "graphopt-low", "graphopt-cl", "graphopt-low-cl", "graphopt-ort", "graphopt-int8", "graphopt-int8-1e-1",
+        "graphopt-ort-int8",
     ]  # fmt: skip
     assert [v.key for v in select(available, None, ["*"])] == ["eager"]
     assert select(available, None) == available
