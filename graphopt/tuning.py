@@ -91,13 +91,14 @@ def candidates(
     prepacked conv/linear kernels). ``emulated``: low precisions this device only emulates,
     with the reason; they are left out (building and timing them would spend the budget on
     a sure loser). ``int8``: calibration batches were given, so int8 (channels_last, the
-    layers over ``accuracy`` kept in float32) is a candidate, built first, unless explicit
-    options rule it out. ``engines``: the engines other than PyTorch that may serve the model
-    (inference on the CPU): each in each precision it computes in and ``accuracy`` admits, built
-    right after the reference (the likeliest winners where a strong runtime exists), every engine's
-    lowest precision first (int8 first where calibration batches were given), all from one capture and one run of the portable passes (`graphopt.api`
-    shares them within a tune call, and the engines their conversions); one not installed is listed
-    with the extra to install.
+    layers over ``accuracy`` kept in float32) is a candidate, built after the engines' int8 and
+    before the rest, unless explicit options rule it out. ``engines``: the engines other than
+    PyTorch that may serve the model (inference on the CPU): each in each precision it computes in
+    and ``accuracy`` admits (int8 too, with calibration batches), built right after the reference
+    (the likeliest winners where a strong runtime exists), every engine's lowest precision first,
+    all from one capture and one run of the portable passes (`graphopt.api` shares them within a
+    tune call, and the engines their conversions); one not installed is listed with the extra to
+    install.
     The default call itself (``optimize(model, inputs)``) is a candidate whenever no option is
     fixed, built whatever the budget as the reference is, so that the result is never slower
     than it beyond measurement noise.
@@ -137,7 +138,9 @@ def candidates(
         if ruled_out:
             left_out.append(TuneCandidate("int8", int8_options, status="not built", reason=f"explicit {', '.join(f'{name}=' for name in ruled_out)} rules int8 out"))
         else:
-            built.insert(1, Candidate("int8 channels_last", int8_options))  # after the graph with no passes
+            # after the graph with no passes and the engines' int8 (a runtime's int8, where one is installed, is the likelier winner)
+            engines_int8 = sum(candidate.options.get("precision") == "int8" for candidate in engine_candidates)
+            built.insert(1 + engines_int8, Candidate("int8 channels_last", int8_options))
     fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
     best_precision = precisions[-1]
     for fuse in fuse_choices:

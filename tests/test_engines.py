@@ -84,20 +84,27 @@ print(module.graphopt_report.engine.name, type(module.runner).__name__, error)
 """
 
 
+def loaded_in_a_fresh_process(optimized: graphopt.OptimizedModule, inputs: tuple[Any, ...], expected: Any, folder: Path) -> tuple[str, str, float]:
+    """``optimized`` saved, loaded by `graphopt.load` in a fresh process and called on ``inputs``: (its engine's name,
+    its runner's class name, its error against ``expected``)."""
+    path = graphopt.save(optimized, folder / "model.pt2")
+    torch.save((inputs, expected), folder / "check.pt")
+    (folder / "load.py").write_text(LOAD_AND_COMPARE)
+    done = subprocess.run([sys.executable, "load.py", str(path), "check.pt"], cwd=folder, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, runner, error = done.stdout.split()
+    return name, runner, float(error)
+
+
 @pytest.mark.parametrize("engine", engines())
 def test_a_saved_engine_result_computes_the_same_in_a_fresh_process(engine: str, tmp_path: Path) -> None:
     model, x = conv_net(), torch.randn(2, 3, 12, 12)
     optimized = graphopt.optimize(model, x, engine=engine)
-    path = graphopt.save(optimized, tmp_path / "model.pt2")
     other = torch.randn(4, 3, 12, 12)
     with torch.no_grad():
-        torch.save(((other,), model(other)), tmp_path / "check.pt")
-    (tmp_path / "load.py").write_text(LOAD_AND_COMPARE)
-    done = subprocess.run([sys.executable, "load.py", str(path), "check.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    name, runner, error = done.stdout.split()
+        name, runner, error = loaded_in_a_fresh_process(optimized, (other,), model(other), tmp_path)
     assert (name, runner) == (engine, type(optimized.runner).__name__)
-    assert float(error) <= 1e-4
+    assert error <= 1e-4
 
 
 @pytest.mark.parametrize("engine", ENGINE_NAMES)

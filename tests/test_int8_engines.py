@@ -10,7 +10,6 @@ tune with calibration tries each engine's int8. No test times anything: tune's t
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from graphopt.backends.int8_budget import Int8Layer, within_budget
 from graphopt.errors import EngineError, ExportError
 from tests.digits import DigitsNet, digits
 from tests.passes.test_quantize_int8 import OutlierChannel, batches, int8_twice_as_fast  # noqa: F401 - autouse here too: no test times
-from tests.test_engines import FakeTimer, LOAD_AND_COMPARE
+from tests.test_engines import FakeTimer, loaded_in_a_fresh_process
 
 INT8_ENGINES = [name for name, info in ENGINES.items() if "int8" in info.precisions]
 QUANTIZING_ENGINES = [name for name in INT8_ENGINES if not ENGINES[name].own_passes]  # the runtimes' own quantizers
@@ -126,16 +125,11 @@ def test_a_saved_int8_engine_result_computes_the_same_in_a_fresh_process(engine:
     model, train_x, _, test_x, _ = digits_cnn
     fast = graphopt.optimize(model, train_x[:100], engine=engine, precision="int8", calibration=train_x.split(100))
     assert not fast.runner.int8_fell_back
-    path = graphopt.save(fast, tmp_path / "model.pt2")
     held_out = test_x[:37]
     with torch.no_grad():
-        torch.save(((held_out,), fast(held_out)), tmp_path / "check.pt")
-    (tmp_path / "load.py").write_text(LOAD_AND_COMPARE)
-    done = subprocess.run([sys.executable, "load.py", str(path), "check.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    name, runner, error = done.stdout.split()
+        name, runner, error = loaded_in_a_fresh_process(fast, (held_out,), fast(held_out), tmp_path)
     assert (name, runner) == (engine, type(fast.runner).__name__)
-    assert float(error) <= 1e-4  # the same int8 model, not a float32 one
+    assert error <= 1e-4  # the same int8 model, not a float32 one
 
 
 def test_an_int8_export_is_a_qdq_file_onnxruntime_runs_within_the_budget_on_held_out_inputs(digits_cnn: Any, tmp_path: Path) -> None:
