@@ -267,6 +267,8 @@ class Report:
         for p in self.passes:
             found += [f"{p.name}: rewrote {r.where}: {r.detail}" for r in p.rewrites if where in r.where or where in r.detail]
             found += [f"{p.name}: skipped {s.where}: {s.reason}" for s in p.skips if where in s.where]
+        if self.engine is not None:  # an engine's int8: the layers it kept in float, "<path>: kept in float: <why>"
+            found += [f"engine {self.engine.name}: {note}" for note in self.engine.notes if note.split(":")[0] == where]
         if not found:
             known = self._known_names()  # empty for a report read back from JSON: nothing to check against
             if known and not any(where in name for name in known):

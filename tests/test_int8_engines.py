@@ -99,6 +99,7 @@ def test_a_layer_that_quantizes_badly_stays_in_float_on_the_engine_and_the_repor
     notes = fast.graphopt_report.engine.notes
     kept = [note.split(":")[0] for note in notes if ": kept in float: " in note]
     assert kept[0] == "conv2", notes  # the outlier layer goes to float first, with why
+    assert any("kept in float: alone in int8 it changes the output by" in line for line in fast.graphopt_report.why("conv2"))
     assert f"{3 - len(kept)} of 3 convs/linears in int8" in notes[0]
     if engine == "openvino":
         # NNCF quantizes a layer's inputs: with conv2 in float, conv1's outlier output stays float and conv1, conv3 stay

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphopt.precision import DEFAULT_INT8_ACCURACY
 from graphopt.timing import FOREIGN_LOAD_LIMIT
 
 FOREIGN_CPU_WARNING = FOREIGN_LOAD_LIMIT  # cores kept busy by other processes while timing, on average: as optimize's measurements
@@ -310,10 +311,15 @@ def _class_table(models: list[ModelResult], rates: dict[str, float], low_precisi
             summary = model.class_summary(precision_class, rates, low_precision)
             if summary is None:
                 continue
-            labels = {v.key: v.label for v in model.variants}
+            variants = {v.key: v for v in model.variants}
 
-            def label(key: str | None) -> str:
-                return labels[key] if key else "—"
+            def label(key: str | None, precision_class: str = precision_class) -> str:
+                if key is None:
+                    return "—"
+                error = variants[key].max_error
+                if precision_class == "int8" and error is not None and error > DEFAULT_INT8_ACCURACY:  # fast, but not within int8's budget
+                    return f"{variants[key].label} (error {error:.1e}: over the {DEFAULT_INT8_ACCURACY:g} budget)"
+                return variants[key].label
 
             roofline = " / ".join(_roofline(summary[f"roofline_{which}"]) for which in ("default", "fastest", "best_peer"))
             rows.append(
@@ -325,7 +331,8 @@ def _class_table(models: list[ModelResult], rates: dict[str, float], low_precisi
         return []
     return [
         "",
-        f"Per precision class (exact: max error <= {EXACT_CLASS_ERROR:.0e} of the output's scale; low: above; int8: quantized to int8), best peer time / "
+        f"Per precision class (exact: max error <= {EXACT_CLASS_ERROR:.0e} of the output's scale; low: above; int8: quantized to int8, "
+        f"flagged where its error is over graphopt's default int8 budget, {DEFAULT_INT8_ACCURACY:g}), best peer time / "
         "graphopt time, median of per-round ratios (> 1: graphopt is faster); roofline: achieved FLOP/s / the matrix-multiply "
         "rate of the class's precision, for graphopt's default / graphopt's fastest / the best peer:",
         "",

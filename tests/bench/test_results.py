@@ -80,6 +80,18 @@ def test_a_low_machine_rate_is_marked_and_plausible_figures_are_not() -> None:
     assert "implausible" not in to_markdown(quiet)
 
 
+def test_an_int8_variant_over_the_default_budget_is_flagged_in_the_class_table() -> None:
+    def int8(key: str, role: str, median_ms: float, error: float) -> VariantResult:
+        return VariantResult(key, f"variant {key}", role, max_error=error, samples_ms=[median_ms] * 3, round_ratios=[1.0] * 3, int8=True)
+
+    variants = [timed("eager", "baseline", 4.0), int8("peer-int8", "peer", 1.0, 1.1e-1), int8("graphopt-int8", "graphopt", 2.0, 3e-2)]
+    model = ModelResult("tiny", [[2, 3, 8, 8]], flops=1e6, variants=variants)
+    markdown = to_markdown(BenchResult("graphopt bench", machine(100.0), {"rounds": 3, "warmup": 1, "low_precision": "bf16"}, "RSS", [model]))
+    row = next(line for line in markdown.splitlines() if line.startswith("| tiny | int8 |"))
+    assert "variant peer-int8 (error 1.1e-01: over the 0.05 budget)" in row
+    assert "variant graphopt-int8 |" in row  # within the budget: not flagged
+
+
 @pytest.mark.parametrize("count", [29, 250])
 def test_every_bar_gets_its_own_colour_and_hatch(count: int) -> None:
     styles = bar_styles(count)
