@@ -80,6 +80,8 @@ def export_onnx(
     if optimize_options.get("precision") == "int8":
         if isinstance(model, OptimizedModule) or not optimize:
             raise ExportError("precision='int8' quantizes while exporting: export the original model with optimize=True")
+        if opset is not None or external_data:
+            raise ExportError("precision='int8' writes onnxruntime's quantized file at the exporter's opset, weights inside: leave opset= and external_data= out")
         return _export_int8(model, args, destination, dynamic_shapes, verify, optimize_options, started)
     if optimize_options.get("precision") == "bf16" or stores_bf16:
         raise ExportError("precision='bf16' cannot be checked: onnxruntime has no bf16 CPU kernels. Export with precision='fp16' or 'fp32'")
@@ -124,6 +126,8 @@ def _export_int8(
     within ``accuracy`` and verified in onnxruntime on the example and a second input, copied to ``destination``."""
     if not verify:
         raise ExportError("precision='int8' is held to accuracy= by verification: leave verify on")
+    if options.pop("mode", "inference") != "inference":
+        raise ExportError("precision='int8' is for inference: leave mode= out or pass mode='inference'")
     unsupported = sorted(set(options) - {"precision", "calibration", "accuracy", "disable", "frontend", "device", "remeasure", "progress"})
     if unsupported:
         raise ExportError(f"precision='int8' exports onnxruntime's quantized file: {', '.join(f'{name}=' for name in unsupported)} do not apply, leave them out")

@@ -157,6 +157,10 @@ def test_an_int8_export_refuses_what_it_cannot_hold_to_the_budget(digits_cnn: An
         graphopt.export_onnx(model, train_x[:50], tmp_path / "a.onnx", precision="int8", calibration=calibration, verify=False)
     with pytest.raises(ExportError, match="memory_format= do not apply"):
         graphopt.export_onnx(model, train_x[:50], tmp_path / "a.onnx", precision="int8", calibration=calibration, memory_format="channels_last")
+    with pytest.raises(ExportError, match="leave opset= and external_data= out"):
+        graphopt.export_onnx(model, train_x[:50], tmp_path / "a.onnx", precision="int8", calibration=calibration, opset=17)
+    with pytest.raises(ExportError, match="precision='int8' is for inference"):
+        graphopt.export_onnx(model, train_x[:50], tmp_path / "a.onnx", precision="int8", calibration=calibration, mode="training")
     with pytest.raises(ExportError, match="export the original model with optimize=True"):
         graphopt.export_onnx(model, train_x[:50], tmp_path / "a.onnx", precision="int8", calibration=calibration, optimize=False)
     assert not list(tmp_path.iterdir())

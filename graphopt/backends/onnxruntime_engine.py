@@ -164,14 +164,14 @@ def _int8(request: EngineInput, float_files: tempfile.TemporaryDirectory[str], o
             quantization.quantize_static(
                 str(source), str(Path(files.name) / MODEL_FILE), _Batches(feeds), quant_format=quantization.QuantFormat.QDQ, per_channel=True,
                 activation_type=quantization.QuantType.QUInt8, weight_type=quantization.QuantType.QInt8,
-                nodes_to_exclude=[node for path in sorted(in_float) for node in nodes.get(path, [])],
+                nodes_to_exclude=[node for path in sorted(in_float) for node in nodes[path]],
             )  # fmt: skip
         except Exception as error:  # the quantizer's own error, quoted
             files.cleanup()
             raise EngineError(f"engine='onnxruntime', precision='int8': onnxruntime's quantizer failed on graphopt's graph ({error_summary(error)})") from error
         return OnnxRuntimeRunner(files, outputs, shapes)
 
-    outcome, layers = quantized_within_budget(request, "onnxruntime", quantize, lambda runner: runner)
+    outcome, layers = quantized_within_budget(request, "onnxruntime", quantize, lambda runner: runner, lambda _: nodes)
     runner = outcome.built or OnnxRuntimeRunner(float_files, outputs, shapes)
     runner.int8_fell_back = outcome.built is None
     runner.notes = tuple(outcome.notes(layers, request.accuracy or 0.0, "onnxruntime's quantizer"))

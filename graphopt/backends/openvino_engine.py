@@ -137,15 +137,19 @@ def _int8(request: EngineInput, model: Any, outputs: pytree.TreeSpec, shapes: li
     except ImportError as error:
         raise EngineError("engine='openvino', precision='int8' quantizes with NNCF, which is not installed: pip install 'graphopt[openvino]'") from error
     feeds = [[tensor.numpy() for tensor in tensor_leaves(batch)] for batch in request.calibration]
+
+    def ops(layers: list[Int8Layer]) -> dict[str, str]:
+        return request.reused("openvino int8 ops", lambda: _ops_by_layer(model, layers))
+
     def quantize(in_float: frozenset[str]) -> OpenVINORunner:
-        ops = request.reused("openvino int8 ops", lambda: _ops_by_layer(model, int8_layers(request.graph_module))) if in_float else {}
-        ignored = nncf.IgnoredScope(names=sorted(ops[path] for path in in_float if path in ops), validate=False)
+        names = ops(int8_layers(request.graph_module)) if in_float else {}
+        ignored = nncf.IgnoredScope(names=sorted(names[path] for path in in_float), validate=False)
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _nncf_quiet():
             warnings.simplefilter("ignore")
             quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds), ignored_scope=ignored)
         return OpenVINORunner(quantized, "int8", outputs, shapes)
 
-    outcome, layers = quantized_within_budget(request, "openvino", quantize, lambda runner: runner)
+    outcome, layers = quantized_within_budget(request, "openvino", quantize, lambda runner: runner, ops)
     notes = outcome.notes(layers, request.accuracy or 0.0, "NNCF")
     if outcome.built is None:
         runner = OpenVINORunner(model, "fp32", outputs, shapes)
