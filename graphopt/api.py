@@ -370,7 +370,7 @@ def optimize(
                 checks = [check for check in (example, second) if check is not None] if verify else []
                 conversions = _shared_by_engines("conversions", dict, info)
                 int8_budget = (batches, int8_accuracy) if int8 else None
-                runner, report.engine = _on_engine(info, gm, args, free, precision, low_dtype, checks, conversions, verifier, int8_budget)
+                runner, report.engine = _on_engine(info, gm, args, free, precision, torch.int8 if int8 else low_dtype, checks, conversions, verifier, int8_budget)
                 if int8 and runner.int8_fell_back:
                     message = (
                         f"precision='int8': no conv or linear stayed in int8 within accuracy={int8_accuracy:g} on engine={info.name!r}, "
@@ -433,7 +433,7 @@ def _on_engine(
     args: tuple[Any, ...],
     free: dynamic.Dims,
     precision: str,
-    low_dtype: torch.dtype | None,
+    compute_dtype: torch.dtype | None,
     checks: list[Check],
     conversions: dict[str, Any],
     verifier: Verifier | None,
@@ -441,9 +441,9 @@ def _on_engine(
 ) -> tuple[EngineRunner, EngineReport]:
     """The runner engine ``info`` builds from the optimized graph, verified on ``checks`` like a pass (else `VerificationError`).
 
-    ``conversions``: what the engines made from this same graph before (`EngineInput.reused`). In a low
-    precision the runner is held to torch.autocast's own error in it (`Verifier.low_precision_tolerances`);
-    in int8 (``int8_budget``: the calibration batches and the output error budget) to the budget."""
+    ``conversions``: what the engines made from this same graph before (`EngineInput.reused`). The runner is
+    held to what a graph computing in ``compute_dtype`` is held to (`Verifier.output_tolerance`): in bf16/fp16
+    torch.autocast's own error, in int8 (``int8_budget``: the calibration batches and the budget) the budget."""
     started = time.perf_counter()
     calibration, accuracy = int8_budget or ((), None)
     for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)
@@ -453,8 +453,8 @@ def _on_engine(
     for check in checks:
         with torch.inference_mode():
             actual = runner(*copied_inputs(check.args))
-        tolerance = verifier.low_precision_tolerances(check, low_dtype)[0] if low_dtype is not None and verifier is not None else accuracy
-        comparison = verify_outputs.compare(check.expected.outputs, actual, torch.int8 if int8_budget else low_dtype, tolerance)
+        tolerance = verifier.output_tolerance(check, compute_dtype) if verifier is not None else None
+        comparison = verify_outputs.compare(check.expected.outputs, actual, compute_dtype, tolerance)
         if not comparison.ok:
             size = "" if comparison.max_error == float("inf") else f" by {comparison.max_error:.3e} relative to the output's scale (tolerance {comparison.tolerance:.0e})"
             reason = f"engine={info.name!r} ({precision}) computes {comparison.where} differently from the original model on {check.description}{size}: {comparison.detail}."

@@ -282,6 +282,13 @@ class Verifier:
         floor = verify.low_precision_floor(dtype)
         return max(floor, verify.AUTOCAST_FACTOR * outputs), max(floor, verify.AUTOCAST_FACTOR * (gradients or 0.0))
 
+    def output_tolerance(self, check: verify.Check, compute_dtype: torch.dtype | None) -> float | None:
+        """The output error a graph computing in ``compute_dtype`` may have on ``check``: bf16/fp16 as
+        `low_precision_tolerances`, int8 the caller's accuracy budget, else None (the output dtype's tolerance)."""
+        if compute_dtype in (torch.bfloat16, torch.float16) and self.original is not None:
+            return self.low_precision_tolerances(check, compute_dtype)[0]
+        return self.int8_accuracy if compute_dtype == torch.int8 else None
+
     def compare(
         self, gm: fx.GraphModule, check: verify.Check, compute_dtype: torch.dtype | None, removed: set[str]
     ) -> tuple[verify.Comparison, verify.Comparison | None]:
@@ -291,14 +298,13 @@ class Verifier:
         input (`low_precision_tolerances`); int8 to the caller's accuracy budget; the rest to float32's tolerance."""
         training = self.mode == "training"
         low = compute_dtype in (torch.bfloat16, torch.float16) and self.original is not None
-        output_tolerance, gradient_tolerance = self.low_precision_tolerances(check, compute_dtype) if low else (None, None)  # type: ignore[arg-type]
-        if compute_dtype == torch.int8:
-            output_tolerance = self.int8_accuracy
         actual = verify.run_reference(gm, check.args, gradients=training)
-        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype, output_tolerance)
+        outputs = verify.compare(check.expected.outputs, actual.outputs, compute_dtype, self.output_tolerance(check, compute_dtype))
         if not training or check.expected.gradients is None or actual.gradients is None:
             return outputs, None
-        if gradient_tolerance is None:
+        if low:
+            gradient_tolerance = self.low_precision_tolerances(check, compute_dtype)[1]  # type: ignore[arg-type]
+        else:
             gradient_tolerance = max(verify.tolerance_for(torch.float32), verify.tolerance_for(compute_dtype) if compute_dtype else 0.0)
         values = compute_dtype is None or low
         gradients = verify.compare_gradients(check.expected.gradients, actual.gradients, gradient_tolerance, removed, values=values)

@@ -181,25 +181,30 @@ def largest_error(checks: Sequence[tuple[tuple[Any, ...], Any]], run: Callable[.
     return max(verify.compare(expected, run(*args)).max_error for args, expected in checks)
 
 
+def graph_layers(request: EngineInput) -> list[Int8Layer]:
+    """`int8_layers` of the request's graph, found once per graph (the same objects for every build from it)."""
+    return request.reused("int8 layers", lambda: int8_layers(request.graph_module))
+
+
 def quantized_within_budget(
     request: EngineInput,
     engine: str,
     quantize: Callable[[frozenset[str]], Built],
     run: Callable[[Built], Callable[..., Any]],
-    found: Callable[[list[Int8Layer]], Collection[str]],
+    found: Callable[[], Collection[str]],
 ) -> tuple[Int8Outcome[Built], list[Int8Layer]]:
     """`within_budget` for an engine's build of ``request`` (``precision="int8"``), measured on the example and the
-    calibration batches; the layers are found and ranked once per graph (`EngineInput.reused`: tune's other int8
-    engine gets them). ``found(layers)``: the paths of those the engine can leave in float (it found their ops);
-    the others stay in the engine's int8 whatever the budget, so they are never reported as kept in float."""
+    calibration batches; the layers are ranked once per graph (`EngineInput.reused`: tune's other int8 engine gets
+    them). ``found()``: the paths of the layers the engine can leave in float (it found their ops); the others stay
+    in the engine's int8 whatever the budget, so they are never reported as kept in float."""
     if not request.calibration or request.accuracy is None:
         raise EngineError(f"engine={engine!r}, precision='int8' needs calibration= batches and an accuracy budget")
     graph, example = request.graph_module, request.example_inputs
-    layers: list[Int8Layer] = request.reused("int8 layers", lambda: int8_layers(graph))
+    layers = graph_layers(request)
 
     def rank() -> list[Int8Layer]:
         request.reused("int8 sensitivity", lambda: sensitivity(graph, layers, request.calibration, example))
-        placeable = found(layers)
+        placeable = found()
         return [layer for layer in layers if layer.path in placeable]
 
     checks = request.reused("int8 checks", lambda: budget_checks(graph, example, request.calibration))

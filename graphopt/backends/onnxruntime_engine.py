@@ -154,8 +154,10 @@ def _int8(request: EngineInput, float_files: tempfile.TemporaryDirectory[str], o
     from onnxruntime import quantization
 
     source = Path(float_files.name) / MODEL_FILE
-    nodes = _nodes_by_layer(onnx.load(str(source), load_external_data=False))
-    names = [spec.name for spec in _session(source).get_inputs()]
+    graph = onnx.load(str(source), load_external_data=False).graph
+    nodes = _nodes_by_layer(graph)
+    weights = {initializer.name for initializer in graph.initializer}
+    names = [value.name for value in graph.input if value.name not in weights]  # the file's inputs: args' tensors, in order
     feeds = [{name: tensor.numpy() for name, tensor in zip(names, tensor_leaves(batch), strict=True)} for batch in request.calibration]
 
     def quantize(in_float: frozenset[str]) -> OnnxRuntimeRunner:
@@ -171,7 +173,7 @@ def _int8(request: EngineInput, float_files: tempfile.TemporaryDirectory[str], o
             raise EngineError(f"engine='onnxruntime', precision='int8': onnxruntime's quantizer failed on graphopt's graph ({error_summary(error)})") from error
         return OnnxRuntimeRunner(files, outputs, shapes)
 
-    outcome, layers = quantized_within_budget(request, "onnxruntime", quantize, lambda runner: runner, lambda _: nodes)
+    outcome, layers = quantized_within_budget(request, "onnxruntime", quantize, lambda runner: runner, lambda: nodes)
     runner = outcome.built or OnnxRuntimeRunner(float_files, outputs, shapes)
     runner.int8_fell_back = outcome.built is None
     runner.notes = tuple(outcome.notes(layers, request.accuracy or 0.0, "onnxruntime's quantizer"))
@@ -188,10 +190,10 @@ class _Batches:
         return next(self.batches, None)
 
 
-def _nodes_by_layer(model: Any) -> dict[str, list[str]]:
+def _nodes_by_layer(graph: Any) -> dict[str, list[str]]:
     """The names of the Conv, Gemm and MatMul nodes of each module path (the exporter's ``name_scopes`` metadata)."""
     nodes: dict[str, list[str]] = {}
-    for node in model.graph.node:
+    for node in graph.node:
         if node.op_type not in ("Conv", "Gemm", "MatMul"):
             continue
         scopes = next((entry.value for entry in node.metadata_props if entry.key == "pkg.torch.onnx.name_scopes"), None)

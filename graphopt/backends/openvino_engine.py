@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from graphopt.backends.engine import EngineInfo, EngineInput, EngineRunner, export_program, output_structure, tensor_leaves
-from graphopt.backends.int8_budget import Int8Layer, int8_layers, quantized_within_budget
+from graphopt.backends.int8_budget import Int8Layer, graph_layers, quantized_within_budget
 from graphopt.errors import EngineError, error_summary
 
 HINTS = {"fp32": "f32", "bf16": "bf16", "int8": None}  # int8: the float ops in OpenVINO's default precision
@@ -138,12 +138,11 @@ def _int8(request: EngineInput, model: Any, outputs: pytree.TreeSpec, shapes: li
         raise EngineError("engine='openvino', precision='int8' quantizes with NNCF, which is not installed: pip install 'graphopt[openvino]'") from error
     feeds = [[tensor.numpy() for tensor in tensor_leaves(batch)] for batch in request.calibration]
 
-    def ops(layers: list[Int8Layer]) -> dict[str, str]:
-        return request.reused("openvino int8 ops", lambda: _ops_by_layer(model, layers))
+    def ops() -> dict[str, str]:
+        return request.reused("openvino int8 ops", lambda: _ops_by_layer(model, graph_layers(request)))
 
     def quantize(in_float: frozenset[str]) -> OpenVINORunner:
-        names = ops(int8_layers(request.graph_module)) if in_float else {}
-        ignored = nncf.IgnoredScope(names=sorted(names[path] for path in in_float), validate=False)
+        ignored = nncf.IgnoredScope(names=sorted(ops()[path] for path in in_float), validate=False)
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _nncf_quiet():
             warnings.simplefilter("ignore")
             quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds), ignored_scope=ignored)

@@ -8,7 +8,6 @@ largest error relative to eager's output scale and what building it cost, with t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 import graphopt
-from graphopt.bench.transformers import machine
+from graphopt.bench.transformers import chosen_variants, print_table_head, print_table_row, script_options
 from graphopt.errors import error_summary
 from graphopt.models import ANCHOR_MODELS, REFERENCE_MODELS
 from graphopt.timing import interleaved_samples
@@ -88,21 +87,15 @@ def measure(name: str, batch: int, rounds: int, only: set[str] | None) -> list[t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS), help=f"anchor or reference model names (default {','.join(MODELS)})")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--variants", default="", help="comma-separated variant names (eager always runs)")
+    parser = script_options(__doc__.splitlines()[0], MODELS, rounds=10, models_help=f"anchor or reference model names (default {','.join(MODELS)})")
     args = parser.parse_args(argv)
-    only = {name.strip() for name in args.variants.split(",") if name.strip()} or None
-    print(machine())
-    print(f"batch {args.batch}; speedup = eager / variant, median of {args.rounds} interleaved rounds; build: seconds to a first result\n")
-    print("| model | variant | speedup vs eager | max error | build |")
-    print("|---|---|---|---|---|")
+    only = chosen_variants(args.variants)
+    heading = f"batch {args.batch}; speedup = eager / variant, median of {args.rounds} interleaved rounds; build: seconds to a first result"
+    print_table_head(heading, ["model", "variant", "speedup vs eager", "max error", "build"])
     for name in args.models.split(","):
         for key, speedup, error, seconds in measure(name, args.batch, args.rounds, only):
             build = "" if seconds is None else f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
-            print(f"| {name} | {key} | {speedup:.2f}x | {error:.1e} | {build} |", flush=True)
+            print_table_row([name, key, f"{speedup:.2f}x", f"{error:.1e}", build])
     return 0
 
 

@@ -10,7 +10,6 @@ for graphopt in bf16, whether its low-precision pass was kept. Run ``make bench-
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphopt
-from graphopt.bench.transformers import machine
+from graphopt.bench.transformers import chosen_variants, print_table_head, print_table_row, script_options
 from graphopt.errors import error_summary
 from graphopt.passes import REGISTRY
 from graphopt.quiet import TORCHAO_IMPORT_MESSAGES, log_messages_dropped
@@ -150,21 +149,18 @@ def measure(name: str, batch: int, rounds: int, only: set[str] | None, small: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--variants", default="", help="comma-separated variant names (eager fp32 always runs)")
+    parser = script_options(__doc__.splitlines()[0], MODELS, rounds=5, baseline="eager fp32")
     parser.add_argument("--small", action="store_true", help="tiny stand-in models: checks the benchmark runs, measures nothing")
     args = parser.parse_args(argv)
-    only = {name.strip() for name in args.variants.split(",") if name.strip()} or None
-    print(machine())
-    print(f"one training step (forward, cross-entropy, backward, SGD, zero_grad), batch {args.batch}; speed-up = eager fp32 / variant, median of {args.rounds} interleaved rounds\n")
-    print("| model | variant | speed-up vs eager fp32 | note |")
-    print("|---|---|---|---|")
+    only = chosen_variants(args.variants)
+    heading = (
+        f"one training step (forward, cross-entropy, backward, SGD, zero_grad), batch {args.batch}; "
+        f"speed-up = eager fp32 / variant, median of {args.rounds} interleaved rounds"
+    )
+    print_table_head(heading, ["model", "variant", "speed-up vs eager fp32", "note"])
     for name in args.models.split(","):
         for key, speedup, note in measure(name, args.batch, args.rounds, only, args.small):
-            print(f"| {name} | {key} | {speedup:.2f}x | {note} |", flush=True)
+            print_table_row([name, key, f"{speedup:.2f}x", note])
     return 0
 
 

@@ -16,7 +16,7 @@ import platform
 import statistics
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,34 @@ def cpu_model() -> str:
 def machine() -> str:
     """The first line of a benchmark table: CPU model, threads, torch and graphopt versions."""
     return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, graphopt {graphopt.__version__}"
+
+
+def script_options(description: str, models: Sequence[str], rounds: int, baseline: str = "eager", models_help: str | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark script takes (this one, `graphopt.bench.deploy`, `graphopt.bench.train`):
+    ``--models``, ``--batch`` (8), ``--rounds``, ``--variants`` (the ``baseline`` always runs)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", default=",".join(models), help=models_help)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--variants", default="", help=f"comma-separated variant names ({baseline} always runs)")
+    return parser
+
+
+def chosen_variants(variants: str) -> set[str] | None:
+    """The variant names ``--variants`` gives (None: all)."""
+    return {name.strip() for name in variants.split(",") if name.strip()} or None
+
+
+def print_table_head(heading: str, columns: Sequence[str]) -> None:
+    """The machine's line, ``heading`` and the header of a Markdown table with ``columns``."""
+    print(machine())
+    print(f"{heading}\n")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
+def print_table_row(cells: Sequence[str]) -> None:
+    print("| " + " | ".join(cells) + " |", flush=True)
 
 
 MODELS = ("bert-base", "gpt2-small")
@@ -128,22 +156,16 @@ def measure(name: str, batch: int, length: int, rounds: int, only: set[str] | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--batch", type=int, default=8)
+    parser = script_options(__doc__.splitlines()[0], MODELS, rounds=10)
     parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--variants", default="", help="comma-separated variant names (eager always runs)")
     parser.add_argument("--small", action="store_true", help="2-layer, 32-wide models: checks the benchmark runs, measures nothing")
     args = parser.parse_args(argv)
-    only = {name.strip() for name in args.variants.split(",") if name.strip()} or None
-    print(machine())
-    print(f"batch {args.batch}, sequence {args.length}, attention mask; speedup = eager / variant, median of {args.rounds} interleaved rounds\n")
-    print("| model | variant | speedup vs eager | max error |")
-    print("|---|---|---|---|")
+    only = chosen_variants(args.variants)
+    heading = f"batch {args.batch}, sequence {args.length}, attention mask; speedup = eager / variant, median of {args.rounds} interleaved rounds"
+    print_table_head(heading, ["model", "variant", "speedup vs eager", "max error"])
     for name in args.models.split(","):
         for key, speedup, error in measure(name, args.batch, args.length, args.rounds, only, args.small):
-            print(f"| {name} | {key} | {speedup:.2f}x | {error:.1e} |", flush=True)
+            print_table_row([name, key, f"{speedup:.2f}x", f"{error:.1e}"])
     return 0
 
 
