@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml | $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# One pytest worker per core, a test file to a worker (its module fixtures are built once); see tests/conftest.py.
 test: $(STAMP) browser
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
 
 # Chromium for the drawn diff's screenshot test and for PNG drawings: Debian's package, installed where make runs as
 # root with apt-get (a fresh CI machine); elsewhere the test is skipped and says why (apt-get install chromium).

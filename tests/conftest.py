@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -18,6 +19,16 @@ from graphopt.validate import SecondInputs
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
 
 FRONTENDS = ("fx", "export")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto``) the workers share the cores: each gets its share of threads,
+    as do the processes the tests start (OMP_NUM_THREADS), instead of every worker's torch using all of them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
