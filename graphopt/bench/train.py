@@ -5,7 +5,9 @@ A step is forward, cross-entropy, backward, an SGD step with momentum and ``zero
 image models take batch 8 at 224x224 (`graphopt.models.anchors`), BERT-base (random weights, from its config)
 batch 8, sequence 128 with an attention mask, called by keyword. Each variant trains its own copy of the model from
 the same weights. The table gives each variant's speed-up over eager fp32 (median of the interleaved rounds) and,
-for graphopt in bf16, whether its low-precision pass was kept. Run ``make bench-train`` on a quiet machine.
+for graphopt in bf16, whether its low-precision pass was kept. Eager autocast runs twice, as two variants: the
+difference between the two identical steps is the run's noise floor, against which the other ratios are read. Run
+``make bench-train`` on a quiet machine.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def variants(model: nn.Module, batch: Batch, only: set[str] | None) -> tuple[dic
     makers: dict[str, Callable[[], Callable[[], float]]] = {
         "eager fp32": lambda: (lambda m: step(m, m, batch))(copied()),
         f"eager bf16 autocast{layout}": eager_amp,
+        # the same variant again: how far two identical steps' medians differ in this run (the ratios' noise floor)
+        f"eager bf16 autocast{layout} (again)": eager_amp,
         "torch.compile fp32": lambda: compiled(autocast=False),
         f"torch.compile + bf16 autocast{layout}": lambda: compiled(autocast=True),
         "graphopt default": lambda: optimized(),
