@@ -26,7 +26,8 @@ def pytest_configure(config: pytest.Config) -> None:
     as do the processes the tests start (OMP_NUM_THREADS), instead of every worker's torch using all of them."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux; elsewhere all
+        threads = max(1, cores // int(workers))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
