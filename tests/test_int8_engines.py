@@ -155,9 +155,7 @@ def test_an_int8_export_is_a_qdq_file_onnxruntime_runs_within_the_budget_on_a_se
         assert graphopt.verify.compare(model(second), run(second)).max_error <= 5e-2
     # on digits never seen, the decisions: the held-out error depends on the trained weights (5.4e-2 of the logits'
     # scale with weights trained on one thread, under 5e-2 with two), the top-1 does not move
-    with torch.no_grad():
-        float_top1 = float((model(test_x).argmax(1) == test_y).float().mean())
-    int8_top1 = float((run(test_x).argmax(1) == test_y).float().mean())
+    float_top1, int8_top1 = top1(model, test_x, test_y), top1(run, test_x, test_y)
     assert int8_top1 >= float_top1 - 0.01, (float_top1, int8_top1)
 
 

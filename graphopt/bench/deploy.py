@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import graphopt
-from graphopt.bench.transformers import chosen_variants, print_table_head, print_table_row, script_options
+from graphopt.bench.scripts import chosen_variants, print_table_head, print_table_row, script_options
 from graphopt.errors import error_summary
 from graphopt.models import ANCHOR_MODELS, REFERENCE_MODELS
 from graphopt.timing import interleaved_samples

@@ -176,7 +176,8 @@ def memory_method(device: torch.device) -> str:
     )
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``lscpu``'s), or the platform's processor string."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -198,7 +199,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     import onnxruntime
 
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_flags": _cpu_flags(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphopt
-from graphopt.bench.transformers import chosen_variants, print_table_head, print_table_row, script_options
+from graphopt.bench.scripts import chosen_variants, print_table_head, print_table_row, script_options
 from graphopt.errors import error_summary
 from graphopt.passes import REGISTRY
 from graphopt.quiet import TORCHAO_IMPORT_MESSAGES, log_messages_dropped

@@ -8,15 +8,13 @@ and each variant's largest error relative to eager's output scale, with the CPU 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
-import platform
 import statistics
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,51 +22,10 @@ import torch
 from torch import nn
 
 import graphopt
+from graphopt.bench.scripts import chosen_variants, print_table_head, print_table_row, script_options
 from graphopt.errors import error_summary
 from graphopt.quiet import FOREIGN_LOG_MESSAGES, TORCHAO_IMPORT_MESSAGES, log_messages_dropped
 from graphopt.timing import interleaved_samples
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``lscpu``'s), or the platform's processor string."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def machine() -> str:
-    """The first line of a benchmark table: CPU model, threads, torch and graphopt versions."""
-    return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, graphopt {graphopt.__version__}"
-
-
-def script_options(description: str, models: Sequence[str], rounds: int, baseline: str = "eager", models_help: str | None = None) -> argparse.ArgumentParser:
-    """The options every benchmark script takes (this one, `graphopt.bench.deploy`, `graphopt.bench.train`):
-    ``--models``, ``--batch`` (8), ``--rounds``, ``--variants`` (the ``baseline`` always runs)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--models", default=",".join(models), help=models_help)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--variants", default="", help=f"comma-separated variant names ({baseline} always runs)")
-    return parser
-
-
-def chosen_variants(variants: str) -> set[str] | None:
-    """The variant names ``--variants`` gives (None: all)."""
-    return {name.strip() for name in variants.split(",") if name.strip()} or None
-
-
-def print_table_head(heading: str, columns: Sequence[str]) -> None:
-    """The machine's line, ``heading`` and the header of a Markdown table with ``columns``."""
-    print(machine())
-    print(f"{heading}\n")
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-
-
-def print_table_row(cells: Sequence[str]) -> None:
-    print("| " + " | ".join(cells) + " |", flush=True)
 
 
 MODELS = ("bert-base", "gpt2-small")
