@@ -265,8 +265,8 @@ def optimize(
         target = resolve_device(device, model, example_inputs)
         # every run below (references, capture checks, verification, measurements) is on this copy: never on the caller's tensors
         args = copied_inputs(check_inputs(model, example_inputs, target if device is not None else None))
-        batches = calibration_batches(calibration, lambda batch: check_inputs(model, batch, target if device is not None else None), args) if int8 else ()
         request = dynamic.request(dynamic_shapes, args, argument_names(model, len(args)))
+        batches = calibration_batches(calibration, lambda batch: check_inputs(model, batch, target if device is not None else None), args, request.dims) if int8 else ()
         training = resolved_mode == "training"
 
         def owned_copy() -> nn.Module:
@@ -447,7 +447,7 @@ def _on_engine(
     started = time.perf_counter()
     calibration, accuracy = int8_budget or ((), None)
     for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)
-        runner = info.build(EngineInput(gm, copied_inputs(args), free, precision, conversions, calibration, accuracy))  # type: ignore[misc]
+        runner = info.make(EngineInput(gm, copied_inputs(args), free, precision, conversions, calibration, accuracy))
     report = EngineReport(info.name, precision, build_seconds=time.perf_counter() - started, notes=list(runner.notes))
     errors = []
     for check in checks:

@@ -35,6 +35,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from graphopt.errors import InvalidOptionError
+from graphopt.trees import leaves_with_paths
 
 POLICIES = ("batch+sequence", "batch", "auto")
 DEFAULT = "batch+sequence"
@@ -70,7 +71,7 @@ def request(value: Any, args: tuple[Any, ...], names: Sequence[str]) -> Request:
 
 def leaf_names(args: tuple[Any, ...], names: Sequence[str]) -> list[str]:
     """A name for each pytree leaf of ``args``: its argument's name (``names``), then its path, e.g. ``pair[0]``."""
-    return [names[path[0].idx] + pytree.keystr(path[1:]) for path, _ in pytree.tree_flatten_with_path(args)[0]]
+    return [names[path[0].idx] + pytree.keystr(path[1:]) for path, _ in leaves_with_paths(args)]
 
 
 def batch_size(args: tuple[Any, ...]) -> int | None:

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt.device import device_types
+from graphopt.dynamic import Dims
 from graphopt.errors import InvalidInputsError, InvalidOptionError
 from graphopt.inputs import describe_inputs
 from graphopt.ops import PRECISION_FAMILY_NAMES
@@ -115,13 +116,16 @@ def check_int8(model: nn.Module, mode: str, memory_format: str, fuse: str | None
     return float(accuracy)
 
 
-def calibration_batches(calibration: Any, check: Callable[[Any], tuple[Any, ...]], example: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+def calibration_batches(calibration: Any, check: Callable[[Any], tuple[Any, ...]], example: tuple[Any, ...], varying: Dims) -> tuple[tuple[Any, ...], ...]:
     """forward()'s arguments for each batch of ``calibration``, each checked by ``check`` and against the example's structure.
 
     A batch is a tensor, a tuple/list of forward()'s positional arguments or a dict of its
     keyword arguments; a tuple/list longer than the example's (a DataLoader's ``(inputs,
-    labels)``) gives its first items. Its tensors must have the example's dtypes and
-    numbers of dimensions (sizes may differ).
+    labels)``) gives its first items. Its tensors must have the example's dtypes, numbers of
+    dimensions and sizes, except the batch size (a DataLoader's last batch may be smaller) and
+    the dimensions in ``varying`` (per leaf of the example: those ``dynamic_shapes`` asks to vary):
+    the optimized module would refuse another size of a fixed dimension, and an engine's quantizer
+    would fail on it.
     """
     if calibration is None:
         raise InvalidOptionError(
@@ -143,6 +147,18 @@ def calibration_batches(calibration: Any, check: Callable[[Any], tuple[Any, ...]
             raise InvalidInputsError(
                 f"calibration batch {index} holds {describe_inputs(args)}, the example inputs {describe_inputs(example)}: give batches "
                 "with the example's structure, dtypes and numbers of dimensions"
+            )
+        fixed = [
+            f"input {position} is {tuple(leaf.shape)}, the example's {tuple(mine.shape)}: dimension {dim} differs"
+            for position, (leaf, mine, dims) in enumerate(zip(pytree.tree_leaves(args), pytree.tree_leaves(example), varying, strict=True))
+            if isinstance(leaf, torch.Tensor)
+            for dim in range(1, leaf.dim())
+            if dim not in dims and leaf.shape[dim] != mine.shape[dim]
+        ]
+        if fixed:
+            raise InvalidInputsError(
+                f"calibration batch {index}: {fixed[0]}, and its size is fixed (only the batch size and the dimensions dynamic_shapes= "
+                "makes vary may differ): give batches of the inputs the optimized model will be called with"
             )
         batches.append(args)
     if not batches:

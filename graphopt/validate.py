@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphopt import verify
 from graphopt.errors import InvalidInputsError, InvalidModelError, error_summary
 from graphopt.dynamic import Dims, batch_size, leaf_names
+from graphopt.trees import leaves_with_paths
 from graphopt.inputs import (
     OtherInputs, argument_names, copied_inputs, describe_inputs, did_you_mean, keyword_names, other_inputs, positional_arguments, positional_parameters,
 )  # fmt: skip
@@ -225,7 +226,7 @@ def _check_cache_arguments(model: nn.Module, args: tuple[Any, ...]) -> None:
 
 def _check_cache_outputs(model: nn.Module, outputs: Any) -> None:
     """Outputs holding a key/value cache object: graphs return tensors, and a cache grows with every call."""
-    caches = [(path, leaf) for path, leaf in pytree.tree_flatten_with_path(outputs)[0] if type(leaf).__name__.endswith("Cache")]
+    caches = [(path, leaf) for path, leaf in leaves_with_paths(outputs) if type(leaf).__name__.endswith("Cache")]
     if not caches:
         return
     path, cache = caches[0]
@@ -251,7 +252,7 @@ def _kind(value: Any) -> str:
 
 def _unusable_output(outputs: Any) -> str | None:
     """The first floating-point output holding NaN or no finite value, e.g. "output[0]"; None when all are usable."""
-    for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
+    for path, leaf in leaves_with_paths(outputs):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
             if torch.isnan(leaf).any() or not torch.isfinite(leaf).any():
                 return f"output{pytree.keystr(path)}"

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from graphopt.trees import leaves_with_paths
+
 # Largest accepted error relative to the output's scale, by the dtype the reference produced.
 # fp32 leaves headroom over the ~1e-6 that reordering a few hundred multiply-adds costs.
 TOLERANCES: dict[torch.dtype, float] = {
@@ -71,7 +73,7 @@ def degenerate_outputs(outputs: Any, compute_dtype: torch.dtype | None = None) -
     subnormals, so a check says nothing; each entry says which output and why.
     """
     found = []
-    for path, leaf in pytree.tree_flatten_with_path(outputs)[0]:
+    for path, leaf in leaves_with_paths(outputs):
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()):
             continue
         floor = smallest_normal(leaf.dtype, compute_dtype)
@@ -347,10 +349,10 @@ def compare(expected: Any, actual: Any, compute_dtype: torch.dtype | None = None
     mixed precision); its tolerance (``compute_tolerance``, default `tolerance_for` it: int8's
     is the caller's accuracy budget) applies when looser than the output dtype's.
     """
-    expected_leaves, expected_spec = pytree.tree_flatten_with_path(expected)
-    actual_leaves, actual_spec = pytree.tree_flatten_with_path(actual)
+    expected_spec, actual_spec = pytree.tree_structure(expected), pytree.tree_structure(actual)
     if expected_spec != actual_spec:
         return Comparison(float("inf"), 0.0, "output", f"output structure changed: {actual_spec} instead of {expected_spec}")
+    expected_leaves, actual_leaves = leaves_with_paths(expected), leaves_with_paths(actual)
     worst = Comparison(0.0, 0.0, "output")
     worst_ratio = -1.0
     for (path, exp_leaf), (_, act_leaf) in zip(expected_leaves, actual_leaves, strict=True):

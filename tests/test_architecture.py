@@ -21,14 +21,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "graphopt"
 # docs/architecture.md's layers, top down: a module imports from its own layer or below; a name covers its submodules
 LAYERS = {
     "entry points": ("graphopt", "graphopt.cli", "graphopt.bench", "graphopt.lint", "graphopt.data"),
-    "API": ("graphopt.api", "graphopt.export", "graphopt.saving", "graphopt.tuning", "graphopt.precision"),
+    "API": ("graphopt.api", "graphopt.export", "graphopt.saving", "graphopt.archive_metadata", "graphopt.tuning", "graphopt.precision"),
     "backends": ("graphopt.backends",),
     "pipeline": ("graphopt.pipeline", "graphopt.capture", "graphopt.validate", "graphopt.side_effects", "graphopt.device"),
     "passes": ("graphopt.passes",),
     "runtime": ("graphopt.runtime",),
     "ops": ("graphopt.ops",),
     "foundations": (
-        "graphopt.verify", "graphopt.inputs", "graphopt.dynamic", "graphopt.report", "graphopt.diff", "graphopt.drawing", "graphopt.browser", "graphopt.checkpoint", "graphopt.errors",
+        "graphopt.verify", "graphopt.inputs", "graphopt.trees", "graphopt.dynamic", "graphopt.report", "graphopt.diff", "graphopt.drawing", "graphopt.browser", "graphopt.checkpoint", "graphopt.errors",
         "graphopt.timing", "graphopt.prefetch", "graphopt.progress", "graphopt.quiet", "graphopt.models",
     ),
 }  # fmt: skip

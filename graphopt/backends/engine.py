@@ -21,6 +21,7 @@ import their runtime where they use it, so that ``import graphopt`` does not loa
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt.dynamic import Dims
-from graphopt.errors import EngineError, error_summary
+from graphopt.errors import EngineError, GraphoptError, error_summary
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class EngineRunner(nn.Module):
     """What an engine built: ``forward(*args)`` runs it on forward()'s positional arguments and returns the
     outputs in the graph's structure (tensors on the inputs' device).
 
+    ``forward`` is the one place an engine call runs: each engine implements `run`, and an error its
+    runtime raises on a call becomes `EngineError`. Calls may come from several threads at once (a web
+    server's workers, a pool), on the module and on its copies: `run` must compute right in each, so
+    an engine keeps per thread whatever its runtime does not share safely (OpenVINO's infer requests).
     Copies share the built engine (it is immutable once built; a deep copy of an
     `OptimizedModule` must not rebuild it). ``save`` writes what `EngineInfo.load` reads back.
     """
@@ -72,6 +77,21 @@ class EngineRunner(nn.Module):
     notes: tuple[str, ...] = ()
     # precision="int8" where no layer stayed in int8 within the budget: the engine's float32 result
     int8_fell_back: bool = False
+
+    def forward(self, *args: Any) -> Any:
+        try:
+            return self.run(args)
+        except GraphoptError:
+            raise
+        except Exception as error:  # the runtime's own error on inputs graphopt's checks accepted
+            raise EngineError(
+                f"engine={self.engine!r} failed on this call ({error_summary(error)}), although the inputs are of the kind it was built and "
+                "verified for: call the original model, or optimize with engine='pytorch' (the default), and please report the model"
+            ) from error
+
+    def run(self, args: tuple[Any, ...]) -> Any:
+        """Run the engine on ``args`` (forward()'s positional arguments); safe to call from several threads at once."""
+        raise NotImplementedError
 
     def save(self, folder: Path) -> dict[str, Any]:
         """Write the engine's own files into ``folder``; return the JSON-ready settings `EngineInfo.load` needs with them."""
@@ -105,11 +125,28 @@ class EngineInfo:
         return self.build is None
 
     def missing(self) -> str | None:
-        """Why this engine cannot run here (its runtime is not installed), or None."""
-        if self.requires is None or importlib.util.find_spec(self.requires) is not None:
+        """Why this engine cannot run here (its runtime is not installed, or its import fails), or None."""
+        if self.requires is None:
             return None
         install = f"pip install 'graphopt[{self.extra}]'" if self.extra else f"pip install {self.requires}"
-        return f"engine={self.name!r} needs {self.requires}, which is not installed: {install}"
+        if importlib.util.find_spec(self.requires) is None:
+            return f"engine={self.name!r} needs {self.requires}, which is not installed: {install}"
+        try:  # installed is not enough: a broken install (a missing library, a version clash) fails on import
+            importlib.import_module(self.requires)
+        except Exception as error:
+            return f"engine={self.name!r} needs {self.requires}, which is installed but fails to import ({error_summary(error)}): reinstall it ({install} --force-reinstall)"
+        return None
+
+    def make(self, request: EngineInput) -> EngineRunner:
+        """``build(request)``, where any error the engine's own tools raise (conversion, compilation, quantization,
+        a capability check) becomes `EngineError`: the one place engine builds are called."""
+        self.check_installed()
+        try:
+            return self.build(request)  # type: ignore[misc]
+        except GraphoptError:
+            raise
+        except Exception as error:
+            raise EngineError(f"engine={self.name!r} could not build graphopt's graph ({error_summary(error)}): use another engine, and please report the model") from error
 
     def check_installed(self) -> None:
         """Raise `EngineError` naming the extra to install where the runtime is missing."""

@@ -70,7 +70,7 @@ class InductorRunner(EngineRunner):
         # held, not registered: the runner's module tree (state_dict, train()) stays out of the compiled graph's guards
         object.__setattr__(self, "compiled", torch.compile(graph_module, fullgraph=True))
 
-    def forward(self, *args: Any) -> Any:
+    def run(self, args: tuple[Any, ...]) -> Any:
         leaves, spec = pytree.tree_flatten(args)
         with torch.inference_mode(False), torch.no_grad():  # copies made here are normal tensors, as the compiled ones were
             leaves = [leaf if memory_format is None else _as_compiled(leaf, memory_format) for leaf, memory_format in zip(leaves, self.input_formats, strict=True)]

@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 from graphopt.dynamic import Dims, auto_spec, batch_size, describe
 from graphopt.errors import ExportError, VerificationError, error_summary
 from graphopt.inputs import other_inputs
+from graphopt.trees import leaves_with_paths
 from graphopt.report import Report
 from graphopt.validate import reference_run
 from graphopt.verify import compare
@@ -110,7 +111,7 @@ def output_names(outputs: Any) -> list[str]:
     (``last_hidden_state``), ``output_0``, ``output_1``, ... for a tuple, ``output`` for a single tensor."""
     if isinstance(outputs, torch.Tensor):
         return ["output"]
-    leaves, _ = pytree.tree_flatten_with_path(outputs)
+    leaves = leaves_with_paths(outputs)
     names = []
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):

@@ -95,7 +95,8 @@ class OnnxRuntimeRunner(EngineRunner):
                 f"{len(self.session.get_outputs())} (tensors only): return only tensors, or use another engine"
             )
 
-    def forward(self, *args: Any) -> Any:
+    def run(self, args: tuple[Any, ...]) -> Any:
+        # onnxruntime's sessions take concurrent runs from several threads
         feeds = {name: tensor.detach().numpy() for name, tensor in zip(self.input_names, tensor_leaves(args), strict=True)}
         session = self.example_session if tuple(array.shape for array in feeds.values()) == self.example_shapes else self.session
         # session.run returns new arrays on each call: wrapped without a copy

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import io
 import logging
+import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -81,6 +82,10 @@ class OpenVINORunner(EngineRunner):
     choose its kernels once, as OpenVINO recommends where sizes do not change; a few percent
     faster than the dynamic model on the anchors) and for the dynamic dimensions graphopt
     verified (other sizes). Each call takes the one its inputs' shapes match.
+
+    An infer request runs one call at a time (a second thread's call on a busy one fails, or
+    overwrites its buffers), so each thread gets its own requests, made from the compiled models
+    at its first call (compiled models are safe to share between threads, and so between copies).
     """
 
     engine = "openvino"
@@ -93,12 +98,21 @@ class OpenVINORunner(EngineRunner):
         self.example_shapes = tuple(tuple(shape) for shape in example_shapes)
         static = model.clone()
         static.reshape({static.input(index): list(shape) for index, shape in enumerate(self.example_shapes)})
-        self.example_request = core().compile_model(static, "CPU", _config(precision)).create_infer_request()
-        self.other_sizes_request = core().compile_model(model, "CPU", _config(precision)).create_infer_request()
+        self.example_compiled = core().compile_model(static, "CPU", _config(precision))
+        self.other_sizes_compiled = core().compile_model(model, "CPU", _config(precision))
+        self.requests = threading.local()  # per thread: compiled model -> its infer request
+        self.infer_request(self.example_compiled)  # the building thread's, made now: the first call is as fast as the next
 
-    def forward(self, *args: Any) -> Any:
+    def infer_request(self, compiled: Any) -> Any:
+        """This thread's infer request on ``compiled``."""
+        requests = self.requests.__dict__
+        if id(compiled) not in requests:
+            requests[id(compiled)] = compiled.create_infer_request()
+        return requests[id(compiled)]
+
+    def run(self, args: tuple[Any, ...]) -> Any:
         arrays = [tensor.detach().numpy() for tensor in tensor_leaves(args)]
-        request = self.example_request if tuple(array.shape for array in arrays) == self.example_shapes else self.other_sizes_request
+        request = self.infer_request(self.example_compiled if tuple(array.shape for array in arrays) == self.example_shapes else self.other_sizes_compiled)
         # the inputs are copied in (share_inputs=False): with shared inputs the plugin would keep pointers into torch's
         # memory beyond the call and read non-contiguous (channels_last) tensors by its own layout
         results = request.infer(arrays, share_inputs=False)

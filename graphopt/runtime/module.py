@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
 from graphopt.errors import CheckpointError, InputMismatchError, ModeSwitchError
@@ -128,6 +129,11 @@ class OptimizedModule(nn.Module):
             self.input_signature.check(args)
             kwargs = {}
         try:
+            guards = self.graph_module._modules.get("_guards_fn")
+            if guards is not None and self._runner is not self.graph_module:
+                # the limits torch.export found in the model's code (a maximum sequence length), which the graph checks
+                # when it runs: checked here for a runner with its own program (an engine), which may not
+                guards(*pytree.tree_leaves(args))
             if self.graphopt_report.mode == "training":
                 return self._runner(*args, **kwargs)
             with torch.inference_mode() if self.inference_mode else torch.no_grad():
