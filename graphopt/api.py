@@ -444,6 +444,7 @@ def _on_engine(
     ``conversions``: what the engines made from this same graph before (`EngineInput.reused`). The runner is
     held to what a graph computing in ``compute_dtype`` is held to (`Verifier.output_tolerance`): in bf16/fp16
     torch.autocast's own error, in int8 (``int8_budget``: the calibration batches and the budget) the budget."""
+    info.check_graph(gm, copied_inputs(args))
     started = time.perf_counter()
     calibration, accuracy = int8_budget or ((), None)
     for _ in progress.steps([info.name], "engine"):  # a status line while it builds (compilers take minutes on large models)

@@ -19,7 +19,10 @@ the dimensions it keeps dynamic, fresh values, other strides) and must reproduce
 eager outputs, buffer updates and, in training mode, gradients before any pass touches
 it; a graph that traces but computes something else counts as a failed frontend (fx
 silently specialises Python values, and drops ``torch.no_grad()``/``torch.autocast``
-blocks and in-place updates of buffers that do not involve its inputs).
+blocks and in-place updates of buffers that do not involve its inputs). Where forward()
+writes state, the graph must also match eager over consecutive calls, each from the state
+the one before left (`_consecutive_mismatch`): an update fx ran once while tracing can hide
+on the first call.
 """
 
 from __future__ import annotations
@@ -39,14 +42,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils import _pytree as pytree
 
 from graphopt import dynamic, progress, verify
 from graphopt.dynamic import Request
 from graphopt.errors import CaptureError, InvalidOptionError, UnknownOptionError
-from graphopt.inputs import argument_names, did_you_mean, keyword_names, positional_parameters
+from graphopt.inputs import argument_names, did_you_mean, keyword_names, other_inputs, positional_parameters
 from graphopt.ops import remove_dead_code
 from graphopt.passes.values import TORCH_DIR
 from graphopt.quiet import foreign_notices_silenced
+from graphopt.runtime import updates_state
 from graphopt.side_effects import preserved_user_objects
 from graphopt.validate import SecondInputs, check_inputs, check_model, reference_run
 
@@ -183,7 +188,7 @@ def _fixed_modes(model: nn.Module, graph: fx.Graph, read: list[nn.Module], concr
     for module in modules.values():
         module.training = not module.training
     try:
-        with verify.isolated(model):
+        with _undone(model):
             flipped: fx.Graph | None = fx.Tracer().trace(model, concrete_args=concrete)
     except Exception:  # the other mode does not trace: this graph holds only the traced one
         flipped = None
@@ -195,9 +200,27 @@ def _fixed_modes(model: nn.Module, graph: fx.Graph, read: list[nn.Module], concr
     return fixed
 
 
+@contextlib.contextmanager
+def _undone(model: nn.Module) -> Iterator[None]:
+    """Undo what symbolic_trace does to ``model``'s state while tracing: `verify.isolated`, and each module's buffer objects put back.
+
+    symbolic_trace runs forward() with real buffers (only parameters become Proxies), so what forward() does to a buffer
+    happens for real: ``self.mean.mul_(0.9)`` changes its values, and ``self.n += x.sum()`` (``self.n = self.n + ...``)
+    binds a Proxy as the buffer, which every later run and torch.export would read.
+    """
+    buffers = [(module, dict(module._buffers)) for module in model.modules()]
+    with verify.isolated(model):  # outside: it puts the values back into the buffers put back first
+        try:
+            yield
+        finally:
+            for module, kept in buffers:
+                module._buffers.clear()
+                module._buffers.update(kept)
+
+
 def _trace_fx(model: nn.Module, args: tuple[Any, ...], request: Request, gradients: bool) -> tuple[fx.GraphModule, verify.Reference, list[str]]:
     concrete = _concrete_arguments(model, args)
-    with verify.isolated(model):  # tracing runs in-place buffer updates for real: undo them
+    with _undone(model):
         with _recording_mode_reads() as read:
             graph = _SourceLineTracer().trace(model, concrete_args=concrete)
         gm = fx.GraphModule(model, graph, model.__class__.__name__)
@@ -206,6 +229,7 @@ def _trace_fx(model: nn.Module, args: tuple[Any, ...], request: Request, gradien
     for path, module in gm.named_modules():
         module.training = model.get_submodule(path).training
     gm.meta["graphopt_fixed_modes"] = _fixed_modes(model, graph, read, concrete)
+    _remove_dead_code(gm)
     # ShapeProp records shapes/dtypes for the passes' guards while producing the outputs to check
     state: dict[str, torch.Tensor] = {}
     with verify.isolated(gm, state_after=state):
@@ -219,7 +243,16 @@ def _trace_export(model: nn.Module, args: tuple[Any, ...], request: Request, gra
     exported = torch.export.export(model, args, dynamic_shapes=request.export, strict=False)
     gm = exported.module()
     _remove_self_copies(gm)
+    _remove_dead_code(gm)
     return gm, verify.run_reference(gm, args, gradients=gradients), []
+
+
+def _remove_dead_code(gm: fx.GraphModule) -> None:
+    """Drop what the frontend left unused (export reads every buffer, keeps dead shape computations), so each pass's
+    node changes in the report are its own: before the checks, which must see the graph that is kept (fx keeps
+    ``self.last[:] = x`` on a buffer as a ``__setitem__`` call nothing uses)."""
+    remove_dead_code(gm)
+    gm.recompile()
 
 
 def _remove_self_copies(gm: fx.GraphModule) -> None:
@@ -313,6 +346,67 @@ def _mismatch(frontend: str, model: nn.Module, gm: fx.GraphModule, actual: verif
     return None
 
 
+def _buffer_values(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+
+
+def _changed(module: nn.Module, before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``module``'s buffers whose values differ from ``before`` (name -> value), as `verify.isolated` records them."""
+    return {name: buffer for name, buffer in module.named_buffers() if name not in before or not torch.equal(buffer, before[name])}
+
+
+def _consecutive_mismatch(frontend: str, model: nn.Module, gm: fx.GraphModule, example: verify.Check, second: verify.Check | None) -> str | None:
+    """Why ``gm`` does not compute what ``model`` computes over consecutive calls, each from the state the one before
+    left (None: it does): for a forward() that writes state.
+
+    Every other check starts from the model's state, where a wrong update can go unseen: symbolic_trace runs an op
+    on a buffer that reads none of forward()'s inputs (``self.mean.mul_(0.9)``) once, while tracing, and replays only
+    the rest, which a zero buffer hides on the first call. The calls: the example, the second input (else fresh values
+    of the example's sizes), fresh values; outputs and changed buffers are compared after each. Both run on fresh
+    copies, with the same seed for each call, so ``model`` and ``gm`` are left as they were.
+    """
+    fresh = other_inputs(example.args, tuple(frozenset() for _ in pytree.tree_leaves(example.args)), strided=False)
+    fresh_call = (fresh.args, fresh.description)
+    calls = [(example.args, example.description), (second.args, second.description) if second is not None else fresh_call, fresh_call]
+    original, graph = copy.deepcopy(model), copy.deepcopy(gm)
+    original_before, graph_before = _buffer_values(original), _buffer_values(graph)
+    with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(example.expected.gradients is not None):
+        for number, (args, description) in enumerate(calls, 1):
+            torch.manual_seed(verify.SEED + number)
+            expected = original(*args)
+            torch.manual_seed(verify.SEED + number)
+            actual = graph(*args)
+            written = _changed(original, original_before)
+            state = verify.compare_state(written, _changed(graph, graph_before))
+            outputs = verify.compare(pytree.tree_map(_detached, expected), pytree.tree_map(_detached, actual))
+            worst = state if not state.ok else outputs
+            if worst.ok:
+                continue
+            names = ", ".join(f"buffer['{name}']" for name in sorted(written)) or "state"
+            why = (
+                "; symbolic_trace runs the ops on a buffer that read none of forward()'s inputs (e.g. self.mean.mul_(0.9)) "
+                "once, while tracing, and the graph repeats only the rest"
+            ) if frontend == "fx" else ""
+            return (
+                f"forward() writes {names}, and the captured graph does not compute what forward() computes over {len(calls)} "
+                f"consecutive calls, each from the state the one before left: on call {number} ({description}), {worst.where} "
+                f"differs by {worst.max_error:.2e} (tolerance {worst.tolerance:.0e}){why}"
+            )
+    return None
+
+
+def _detached(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+
+
+_STATE_ADVICE = (
+    "forward() writes state that the captured graph cannot reproduce on every call: make each update of a buffer one "
+    "in-place op that reads forward()'s inputs (self.mean.lerp_(x.mean(0), 0.1) instead of "
+    "self.mean.mul_(0.9).add_(0.1 * x.mean(0))), or move the update out of forward() (into the loop that calls the "
+    "model, or a forward hook on the optimized module); or keep the original model."
+)
+
+
 def capture_graph(
     model: nn.Module,
     example: verify.Check,
@@ -326,7 +420,8 @@ def capture_graph(
     gradients on the example (`verify.run_reference`). ``others`` are second inputs the
     eager model accepts, most different first: the graph must match eager on the first
     one it accepts (`Captured.second`), so a frontend that specialised a value of the
-    example fails here. ``request``: the dimensions to keep dynamic (default: `graphopt.dynamic`'s).
+    example fails here. Where forward() or the graph writes state, the graph must also match
+    eager over consecutive calls (`_consecutive_mismatch`). ``request``: the dimensions to keep dynamic (default: `graphopt.dynamic`'s).
     """
     check_frontend(frontend)
     if request is None:
@@ -334,6 +429,7 @@ def capture_graph(
     started = time.perf_counter()
     attempts: dict[str, str] = {}
     gradients = example.expected.gradients is not None
+    writes_state_wrongly = False  # a frontend's graph failed `_consecutive_mismatch`
     for name in progress.steps(("fx", "export") if frontend == "auto" else (frontend,), "capture"):
         try:
             gm, actual, notes = _TRACERS[name](model, example.args, request, gradients)
@@ -344,16 +440,17 @@ def capture_graph(
             second, second_actual = _first_accepted(gm, checks, gradients) if reason is None else (None, None)
             if second is not None and second_actual is not None:
                 reason = _mismatch(name, model, gm, second_actual, second)
+            # a graph that writes state is cheap to spot (`updates_state` may flag a write of an intermediate value too:
+            # that costs only this check)
+            if reason is None and (example.expected.state or updates_state(gm)):
+                reason = _consecutive_mismatch(name, model, gm, example, second)
+                writes_state_wrongly = writes_state_wrongly or reason is not None
         except Exception as error:  # any failure of a frontend is a reason to try the next one
             attempts[name] = _first_line(error)
             continue
         if reason is not None:
             attempts[name] = reason
             continue
-        # Drop what the frontend left unused (export reads every buffer, keeps dead shape
-        # computations), so each pass's node changes in the report are its own.
-        remove_dead_code(gm)
-        gm.recompile()
         comparison = verify.compare(example.expected.outputs, actual.outputs)
         return Captured(gm, name, attempts, notes, time.perf_counter() - started, comparison.max_error, second, kept)
     reasons = "\n".join(f"  - {name}: {reason}" for name, reason in attempts.items())
@@ -364,6 +461,8 @@ def capture_graph(
         if frontend == "auto"
         else "Hint: try frontend='auto', which falls back to the other frontend."
     )
+    if writes_state_wrongly:
+        hint += f"\n{_STATE_ADVICE}"
     raise CaptureError(f"could not capture {type(model).__name__} as a graph:\n{reasons}\n{hint}", attempts)
 
 

@@ -21,6 +21,9 @@ concatenated is not a side effect. In-place updates of registered buffers are no
 effects either: the graph keeps them. A changed module attribute counts only when a line
 of the user's code that ran sets it: torch's own hooks (pruning, spectral norm) set
 ``weight`` before each call.
+
+The stored tensors forward() writes (`state_writes`) are no Python side effect, but they
+are state that an engine holding its own copy of the weights cannot update.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from graphopt import verify
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,22 @@ def side_effects_message(effects: Sequence[SideEffect], model_name: str = "The m
         "optimized module (optimized.register_forward_hook(...)) or into the loop that calls the model; or keep "
         "the original model where these effects matter."
     )
+
+
+def state_writes(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
+    """The parameters and buffers that ``module(*args)`` writes, by name: in place, through a view, by ``copy_``
+    (torch.export's form of ``self.steps += 1``) or by binding a new tensor; the buffers are put back afterwards.
+
+    Found by the tensors' version counters, which every write bumps, so a write that leaves the values as they were
+    (``self.mean.mul_(0.9)`` on zeros) counts too. Inference tensors have no version counter: nothing writes them
+    outside inference mode.
+    """
+    stored = [(name, tensor) for name, tensor in [*module.named_parameters(), *module.named_buffers()] if not torch.is_inference(tensor)]
+    versions = [tensor._version for _, tensor in stored]
+    with verify.isolated(module), torch.no_grad():  # no_grad: a write to a parameter in place is allowed there, as in the engines' calls
+        module(*args)
+        now = dict([*module.named_parameters(), *module.named_buffers()])
+        return [name for (name, tensor), version in zip(stored, versions, strict=True) if now.get(name) is not tensor or tensor._version != version]
 
 
 # --- What counts as the user's code -------------------------------------------------------

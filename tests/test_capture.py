@@ -107,6 +107,50 @@ def test_graph_that_drops_a_state_update_is_rejected() -> None:
         graphopt.capture(model, (x,), frontend="fx")
 
 
+class RebindsCounter(nn.Module):
+    """``self.count += <tensor from the input>`` rebinds the buffer: symbolic_trace binds its Proxy as the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += x.new_ones(())
+        return x * self.count
+
+
+def test_tracing_leaves_the_models_buffers_as_they_were() -> None:
+    """The Proxy fx left as the buffer made torch.export fail next ("symbolically traced variables cannot be used as inputs to control flow")."""
+    model = RebindsCounter()
+    buffer = model.count
+    x = torch.randn(2, 3)
+    captured = capture_graph(model, Check((x,), run_reference(model, (x,)), "the example inputs"))
+    assert captured.frontend == "export" and "does not update buffer['count']" in captured.attempts["fx"]
+    assert model.count is buffer and float(buffer) == 0
+
+
+class DecaysMean(nn.Module):
+    """A moving average whose decay reads no input: symbolic_trace runs ``mul_(0.9)`` once, while tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x + self.mean
+
+
+def test_a_graph_that_writes_state_is_checked_over_consecutive_calls() -> None:
+    """On the first call, from a zero buffer, fx's graph matches: the next call shows it."""
+    model = DecaysMean()
+    x = torch.randn(2, 3)
+    captured = capture_graph(model, Check((x,), run_reference(model, (x,)), "the example inputs"))
+    assert captured.frontend == "export"
+    assert "over 3 consecutive calls" in captured.attempts["fx"] and "on call 2" in captured.attempts["fx"]
+    assert torch.equal(model.mean, torch.zeros(3)), "the checks ran on copies"
+
+
 def test_export_batch_dimension_is_dynamic_by_default() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2)).eval()
     gm = graphopt.capture(model, torch.randn(2, 3, 6, 6), frontend="export")

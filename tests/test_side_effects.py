@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.utils import prune
 
 import graphopt
-from graphopt.side_effects import SideEffect, preserved_user_objects, side_effects_message, watch_side_effects
+from graphopt.side_effects import SideEffect, preserved_user_objects, side_effects_message, state_writes, watch_side_effects
 
 HISTORY: list[Any] = []
 LOGGER = logging.getLogger("side_effects_test")
@@ -302,6 +302,36 @@ def test_in_place_buffer_update_is_not_a_side_effect() -> None:
     model = StepBuffer()
     assert effects_of(model, torch.randn(2, 3)) == []
     assert float(model.steps) == 1.0  # the update happened; it is torch state, kept by the graph
+
+
+class Decays(nn.Module):
+    """Writes one buffer in place, another through a slice, and only reads a third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("last", torch.zeros(3))
+        self.register_buffer("bias", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        self.last[:] = x[0]
+        out = x * 2
+        out.add_(self.bias)
+        return out
+
+
+def test_state_writes_names_every_buffer_written_even_where_its_values_stay_the_same() -> None:
+    model = Decays()
+    assert state_writes(model, (torch.zeros(2, 3),)) == ["mean", "last"]  # zeros written over zeros
+    assert state_writes(StepBuffer(), (torch.randn(2, 3),)) == ["steps"]
+    assert state_writes(nn.Linear(3, 3), (torch.randn(2, 3),)) == []
+
+
+def test_state_writes_puts_the_buffers_back() -> None:
+    model = Decays()
+    state_writes(model, (torch.randn(2, 3),))
+    assert torch.equal(model.mean, torch.zeros(3)) and torch.equal(model.last, torch.zeros(3))
 
 
 def test_torch_modules_alone_have_no_side_effects() -> None:

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt.dynamic import Dims
 from graphopt.errors import EngineError, GraphoptError, error_summary
+from graphopt.side_effects import state_writes
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,22 @@ class EngineInfo:
         reason = self.missing()
         if reason is not None:
             raise EngineError(reason)
+
+    def check_graph(self, graph_module: fx.GraphModule, args: tuple[Any, ...]) -> None:
+        """Raise `EngineError` where this engine cannot compute what ``graph_module`` computes on every call: a graph that
+        writes its buffers or parameters (``self.steps += 1`` in forward()) computes each call from the state the one before
+        left, and an engine holds its own copy of them, fixed when it is built. The PyTorch engine runs the graph itself."""
+        if self.own_passes:
+            return
+        written = state_writes(graph_module, args)
+        if written:
+            names = ", ".join(map(repr, written[:3])) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+            raise EngineError(
+                f"engine={self.name!r} cannot run this model: its forward() writes the stored tensors {names} on every call, and the engine computes "
+                "with its own copy of the weights and buffers, fixed when it is built, so every call would start from the first "
+                "call's state and the updates would be lost. Use engine='pytorch' (the default), which runs the updates; or move "
+                "them out of forward() (e.g. into the loop that calls the model) to serve the model with this engine."
+            )
 
 
 def output_structure(graph_module: fx.GraphModule, args: tuple[Any, ...]) -> pytree.TreeSpec:
