@@ -64,6 +64,17 @@ def test_long_calls_count_the_warm_up_round(clock: FakeClock) -> None:
     assert result.rounds == timing.MIN_ROUNDS and result.ratio == pytest.approx(2.0)  # the median ignores the first 1.2 s
 
 
+@pytest.mark.parametrize("long_first", ["baseline", "candidate"])
+def test_one_long_first_call_counts_no_warm_up_as_a_round(clock: FakeClock, long_first: str) -> None:
+    # only when every variant's first call is long is its extra cost small: a short first call may be mostly warm-up
+    first = {"baseline": 0.1, "candidate": 0.05, long_first: 2.0}
+    baseline_calls, baseline = timed_call(clock, [first["baseline"], 0.1])
+    candidate_calls, candidate = timed_call(clock, [first["candidate"], 0.05])
+    result = timing.compare_latency(baseline, candidate, threshold=1.5, budget_s=100.0)
+    assert baseline_calls == candidate_calls == [1 + timing.MIN_ROUNDS], "both warm-ups, then the fewest rounds"
+    assert (result.rounds, result.baseline_s, result.candidate_s, result.low, result.high) == pytest.approx((timing.MIN_ROUNDS, 0.1, 0.05, 2.0, 2.0))
+
+
 def test_a_candidate_as_fast_as_the_threshold_is_close_and_measured_until_the_budget_is_spent(clock: FakeClock) -> None:
     # per-round ratios alternate 0.8x and 1.25x around 1.0: no interval clears it however many rounds
     baseline_calls, baseline = timed_call(clock, [0.01] * 200)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from graphopt.dynamic import Dims
@@ -210,7 +211,7 @@ def export_program(graph_module: fx.GraphModule, args: tuple[Any, ...], dims: Di
         f"input {index} dim {dim}"
         for index, (tensor, mine) in enumerate(zip(tensors, [m for leaf, m in zip(leaves, dims, strict=True) if isinstance(leaf, torch.Tensor)], strict=True))
         for dim in sorted(mine)
-        if isinstance(tensor.shape[dim], int)
+        if is_concrete_int(tensor.shape[dim])  # torch.export keeps a fixed dimension as a SymInt of a constant
     ]
     if fixed:
         raise EngineError(
