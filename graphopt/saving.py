@@ -11,9 +11,10 @@
   loaded back and compared with the module on the example's sizes and on a second size of
   each dynamic dimension, and only then moved into place.
 - `load` reads it in any process that has graphopt (not the model's source): it checks
-  the archive (complete, every member's checksum, graphopt's format and version, no
-  pickled entries, and every text torch.export.load would run as Python written as torch
-  writes it: see `_foreign_code`) before torch.export reads it, so that loading runs no
+  the archive (complete, every member's checksum, graphopt's format, version and metadata
+  (`graphopt.archive_metadata`: every key, no other, each of its type), no pickled entries,
+  and every text torch.export.load would run as Python written as torch writes it: see
+  `_foreign_code`) before torch.export reads it, so that loading runs no
   code from the file, then turns the portable calls back into oneDNN kernels, prepacked
   for this CPU. Where the inputs or outputs are classes of a library (Hugging Face's
   ``ModelOutput``s), that module must be imported first: `load` imports it only when the
@@ -53,30 +54,24 @@ import tempfile
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
-from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from graphopt import archive_metadata
+from graphopt.archive_metadata import FORMAT, FORMAT_VERSION, GRAPHOPT_VERSION, METADATA_FILE, EngineEntry, Metadata
 from graphopt.backends import ENGINES
 from graphopt.capture import one_at_a_time
 from graphopt.errors import ImportNotAllowedError, LoadError, SaveError, error_summary
 from graphopt.inputs import InputSignature, TensorSpec, other_inputs
-from graphopt.report import Report
 from graphopt.runtime import OptimizedModule, int8_modules
 from graphopt.runtime.portable import ATEN_DECOMPOSITIONS, from_portable, to_portable
 from graphopt.verify import compare
 
-try:
-    GRAPHOPT_VERSION = package_metadata.version("graphopt")
-except package_metadata.PackageNotFoundError:  # run from a source tree that was not installed
-    GRAPHOPT_VERSION = "unknown"
-FORMAT = "graphopt.save"
-FORMAT_VERSION = 1
-METADATA_FILE = "graphopt.json"
 FP32_WEIGHTS_FILE = "graphopt-fp32-weights.json"
 ENGINE_FOLDER = "graphopt-engine"  # inside the archive, beside torch.export's folders: the engine's own files
 ENGINE_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a plain file name: no folders, nothing hidden
@@ -137,7 +132,7 @@ def _export(module: OptimizedModule, signature: InputSignature) -> ExportedProgr
         f"{leaf.name} dim {dim}"
         for leaf, tensor in zip([leaf for leaf in signature.leaves if isinstance(leaf, TensorSpec)], tensors, strict=True)
         for dim, size in enumerate(leaf.sizes)
-        if size is None and isinstance(tensor.shape[dim], int)
+        if size is None and is_concrete_int(tensor.shape[dim])  # a fixed dimension is a SymInt of a constant
     ]
     if fixed:
         raise SaveError(
@@ -175,7 +170,7 @@ def _container_modules(spec: pytree.TreeSpec) -> set[str]:
     return found.union(*(_container_modules(child) for child in spec.children()))
 
 
-def _metadata(module: OptimizedModule, signature: InputSignature, program: ExportedProgram) -> dict[str, Any]:
+def _metadata(module: OptimizedModule, signature: InputSignature, program: ExportedProgram, engine: EngineEntry | None) -> Metadata:
     report = module.graphopt_report.to_dict()
     if module.graphopt_report.fusion is not None:
         report["fusion"] = None
@@ -187,21 +182,22 @@ def _metadata(module: OptimizedModule, signature: InputSignature, program: Expor
         signature_data = signature.to_dict()
     except TypeError as error:
         raise SaveError(f"an input that is not a tensor cannot be written to the file ({error}): only None, bools, numbers and strings can") from error
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "graphopt_version": GRAPHOPT_VERSION,
-        "torch_version": torch.__version__,
-        "report": report,
-        "signature": signature_data,
-        "original_keys": list(module.original_keys),
+    return Metadata(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        graphopt_version=GRAPHOPT_VERSION,
+        torch_version=torch.__version__,
+        report=report,
+        signature=signature_data,
+        original_keys=list(module.original_keys),
         # classes of the inputs' and outputs' containers that must be registered with torch's pytree when the file is read
-        "container_modules": sorted(_container_modules(program.call_spec.in_spec) | _container_modules(program.call_spec.out_spec)),
-        "inference_mode": module.inference_mode,
-    }
+        container_modules=sorted(_container_modules(program.call_spec.in_spec) | _container_modules(program.call_spec.out_spec)),
+        inference_mode=module.inference_mode,
+        engine=engine,
+    )
 
 
-def _engine_files(module: OptimizedModule, folder: Path) -> dict[str, Any] | None:
+def _engine_files(module: OptimizedModule, folder: Path) -> EngineEntry | None:
     """Write the engine's own files into ``folder``: its metadata entry (name, settings, each file's SHA-256), or None
     for a module that runs on graphopt's own PyTorch runtime."""
     engine = module.graphopt_report.engine
@@ -214,10 +210,10 @@ def _engine_files(module: OptimizedModule, folder: Path) -> dict[str, Any] | Non
     files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
     if not all(path.is_file() and ENGINE_FILE_NAME.fullmatch(name) for name, path in ((name, folder / name) for name in files)):
         raise SaveError(f"engine={engine.name!r} wrote {sorted(files)}: graphopt stores plain files only. Nothing was written.")
-    return {"name": engine.name, "settings": settings, "files": files}
+    return EngineEntry(name=engine.name, settings=settings, files=files)
 
 
-def _add_engine_files(staged: Path, folder: Path, entry: dict[str, Any]) -> None:
+def _add_engine_files(staged: Path, folder: Path, entry: EngineEntry) -> None:
     """Append the engine's files to the archive torch.export.save wrote, under its top folder."""
     with zipfile.ZipFile(staged, "a", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
         top = archive.namelist()[0].partition("/")[0]
@@ -225,16 +221,16 @@ def _add_engine_files(staged: Path, folder: Path, entry: dict[str, Any]) -> None
             archive.write(folder / name, f"{top}/{ENGINE_FOLDER}/{name}")
 
 
-def _engine_runner(source: Path, entry: Any, members: dict[str, str], graph_module: Any, signature: InputSignature) -> torch.nn.Module:
+def _engine_runner(source: Path, entry: EngineEntry, members: dict[str, str], graph_module: Any, signature: InputSignature) -> torch.nn.Module:
     """The engine's runner from the files in the archive, each checked against its SHA-256 in the metadata."""
-    if not isinstance(entry, dict) or entry.get("name") not in ENGINES or ENGINES[entry["name"]].load is None:
-        raise LoadError(f"{source} names an engine this graphopt does not have ({entry.get('name') if isinstance(entry, dict) else entry!r}): load it with the graphopt that wrote it")
+    if entry["name"] not in ENGINES or ENGINES[entry["name"]].load is None:
+        raise LoadError(f"{source} names an engine this graphopt does not have ({entry['name'][:40]!r}): load it with the graphopt that wrote it")
     info = ENGINES[entry["name"]]
     if info.missing():
         raise LoadError(f"the module in {source} runs on {info.missing()}")
-    files = entry.get("files")
+    files = entry["files"]
     stored = sorted(inner.removeprefix(f"{ENGINE_FOLDER}/") for inner in members if inner.startswith(f"{ENGINE_FOLDER}/"))
-    if not isinstance(files, dict) or sorted(files) != stored or not all(ENGINE_FILE_NAME.fullmatch(name) for name in stored):
+    if sorted(files) != stored or not all(ENGINE_FILE_NAME.fullmatch(name) for name in stored):
         raise LoadError(f"{source}: the engine's files in the archive ({stored}) are not those graphopt.save listed: the file was changed. Save the module again.")
     with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(source) as archive:
         folder = Path(scratch)
@@ -244,7 +240,7 @@ def _engine_runner(source: Path, entry: Any, members: dict[str, str], graph_modu
                 raise LoadError(f"{source}: the engine's file {name} does not match its checksum: the file was changed. Save the module again.")
             (folder / name).write_bytes(data)
         try:
-            return info.load(folder, entry.get("settings") or {}, graph_module, signature.example_inputs())
+            return info.load(folder, entry["settings"], graph_module, signature.example_inputs())
         except Exception as error:
             raise LoadError(f"engine={info.name!r} could not load its files from {source} ({error_summary(error)})") from error
 
@@ -283,9 +279,8 @@ def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bo
     signature = _check_module(module, "graphopt.save")
     destination = _destination(path, overwrite)
     program = _export(module, signature)
-    metadata = _metadata(module, signature, program)
     engine_folder = tempfile.TemporaryDirectory(prefix=f".{destination.name}.engine.", dir=destination.parent)
-    metadata["engine"] = _engine_files(module, Path(engine_folder.name))
+    metadata = _metadata(module, signature, program, _engine_files(module, Path(engine_folder.name)))
     extra_files = {METADATA_FILE: json.dumps(metadata)}
     fp32_weights = module.fp32_weights()
     if fp32_weights:
@@ -595,11 +590,11 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name.partition(".")[0]) is not None and importlib.util.find_spec(name) is not None
 
 
-def _module_name(name: Any) -> bool:
-    return isinstance(name, str) and MODULE_NAME.fullmatch(name) is not None and not any(keyword.iskeyword(part) for part in name.split("."))
+def _module_name(name: str) -> bool:
+    return MODULE_NAME.fullmatch(name) is not None and not any(keyword.iskeyword(part) for part in name.split("."))
 
 
-def _import_containers(names: Any, what: str, allow_import: bool, loader: str) -> None:
+def _import_containers(names: list[str], what: str, allow_import: bool, loader: str) -> None:
     """Make sure the modules defining the input and output containers of ``what`` (``container_modules``) are imported:
     torch's pytree knows a class (a Hugging Face ``ModelOutput``) once its module has run, and cannot read the file before.
 
@@ -609,7 +604,7 @@ def _import_containers(names: Any, what: str, allow_import: bool, loader: str) -
     `ImportNotAllowedError` saying what to import. A lazy package does not help: ``import transformers`` leaves
     ``transformers.modeling_outputs`` unimported until something of it is used.
     """
-    if not isinstance(names, list) or not all(map(_module_name, names)):
+    if not all(map(_module_name, names)):
         # refused before any message quotes them as advice: a file does not get to write the command the user runs
         raise LoadError(
             f"{what} names {str(names)[:80]} as modules to import, which graphopt.save never writes: it was not written by "
@@ -641,7 +636,7 @@ def _import_containers(names: Any, what: str, allow_import: bool, loader: str) -
             )
 
 
-def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, str]]:
+def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> tuple[Metadata, dict[str, torch.Tensor], dict[str, str]]:
     if not source.is_file():
         raise LoadError(f"no file at {source}: give the path graphopt.save wrote")
     members = _archive_members(source)
@@ -650,24 +645,15 @@ def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> 
             if f"extra/{METADATA_FILE}" not in members:
                 hint = " (it is an AOTInductor package: run it with torch._inductor.aoti_load_package)" if _is_aoti(members) else ""
                 raise LoadError(f"{source} was not written by graphopt.save{hint}: it has no {METADATA_FILE}")
-            metadata = json.loads(archive.read(members[f"extra/{METADATA_FILE}"]))
-            if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-                raise LoadError(f"{source} was not written by graphopt.save: its {METADATA_FILE} is not graphopt's")
-            version = metadata.get("format_version")
-            if type(version) is not int or version != FORMAT_VERSION:
-                raise LoadError(
-                    f"{source} is in graphopt's file format version {version} (written by graphopt "
-                    f"{metadata.get('graphopt_version')}); this graphopt ({GRAPHOPT_VERSION}) reads version {FORMAT_VERSION}. Load it with "
-                    "the graphopt that wrote it, or optimize and save the model again with this one."
-                )
+            metadata = archive_metadata.read(source, archive.read(members[f"extra/{METADATA_FILE}"]))
             _refuse_pickles(source, archive, members)
             _refuse_code(source, archive, members)
-            _import_containers(metadata.get("container_modules", []), what, allow_import, loader)
+            _import_containers(metadata["container_modules"], what, allow_import, loader)
             fp32_name = members.get(f"extra/{FP32_WEIGHTS_FILE}")
             fp32_weights = _decode_tensors(archive.read(fp32_name).decode()) if fp32_name else {}
     except LoadError:
         raise
-    except Exception as error:  # JSON that does not parse, fields of the wrong kind
+    except Exception as error:  # JSON that does not parse; torch's configs or the fp32 weights of the wrong kind
         raise LoadError(f"{source} is damaged ({type(error).__name__}: {error}): save the module again") from error
     return metadata, fp32_weights, members
 
@@ -676,21 +662,20 @@ def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load
     """The module in the file at ``source``; ``loader``: what the caller called (`load`, or torch.load through `from_bytes`)."""
     what = f"the module in {source}" if loader == "graphopt.load" else "the pickled module"  # from_bytes reads a scratch file
     metadata, fp32_weights, members = _read_metadata(source, what, allow_import, loader)
+    report, signature = archive_metadata.rebuilt(source, metadata)
     try:
         program = torch.export.load(source)
         graph_module = program.module()
         from_portable(graph_module)
-        report = Report.from_dict(metadata["report"])
-        signature = InputSignature.from_dict(metadata["signature"], fixed_values=True)  # the exported graph fixed non-tensor inputs
     except Exception as error:
-        saved_with = metadata.get("torch_version")
+        saved_with = metadata["torch_version"]
         versions = f" It was saved with torch {saved_with}; this is torch {torch.__version__}." if saved_with != torch.__version__ else ""
         raise LoadError(f"{source} could not be loaded ({error_summary(error)}).{versions}") from error
     graph_module.meta["graphopt_fp32_weights"] = fp32_weights
-    report.notes.append(f"loaded from a file graphopt {metadata.get('graphopt_version')} wrote with torch {metadata.get('torch_version')}")
-    runner = _engine_runner(source, metadata["engine"], members, graph_module, signature) if metadata.get("engine") is not None else None
+    report.notes.append(f"loaded from a file graphopt {metadata['graphopt_version']} wrote with torch {metadata['torch_version']}")
+    runner = _engine_runner(source, metadata["engine"], members, graph_module, signature) if metadata["engine"] is not None else None
     module = OptimizedModule(graph_module, report, runner, original_keys=metadata["original_keys"], signature=signature)
-    module.inference_mode = bool(metadata["inference_mode"])
+    module.inference_mode = metadata["inference_mode"]
     return module
 
 

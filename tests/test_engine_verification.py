@@ -201,3 +201,11 @@ def test_export_program_keeps_a_dimension_the_code_leaves_free() -> None:
     [size] = [node.meta["val"].shape[0] for node in program.graph.find_nodes(op="placeholder") if node.name in program.graph_signature.user_inputs]
     assert isinstance(size, torch.SymInt) and size.node.expr.free_symbols
 
+
+
+def test_saving_refuses_a_batch_the_models_code_ties_to_the_examples_size(tmp_path: Any) -> None:
+    model = RowWeighted().eval()
+    optimized = graphopt.optimize(model, torch.randn(EXAMPLE_BATCH, 4))
+    assert optimized.graphopt_report.dynamic == "x dim 0"  # the graph takes other batch sizes: its file would not
+    with pytest.raises(graphopt.SaveError, match="torch.export fixed x dim 0 to the example's size"):
+        graphopt.save(optimized, tmp_path / "row-weighted.pt2")

@@ -62,27 +62,36 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cwd"
 
 
-def edited(source: Path, destination: Path, changes: dict[str, Callable[[bytes], bytes]], added: dict[str, bytes] | None = None) -> Path:
-    """A copy of the archive ``source``, members ``.../inner`` changed (checksums recomputed: a deliberate edit), ``added`` added."""
+def edited(
+    source: Path, destination: Path, changes: dict[str, Callable[[bytes], bytes]], added: dict[str, bytes] | None = None, removed: tuple[str, ...] = ()
+) -> Path:
+    """A copy of the archive ``source``, members ``.../inner`` changed (checksums recomputed: a deliberate edit), ``added`` added,
+    ``removed`` left out."""
     with zipfile.ZipFile(source) as archive, zipfile.ZipFile(destination, "w") as copy:
         top = archive.namelist()[0].partition("/")[0]
         for info in archive.infolist():
-            change = changes.get(info.filename.partition("/")[2], lambda data: data)
-            copy.writestr(info, change(archive.read(info)))
+            inner = info.filename.partition("/")[2]
+            if inner not in removed:
+                copy.writestr(info, changes.get(inner, lambda data: data)(archive.read(info)))
         for inner, data in (added or {}).items():
             copy.writestr(f"{top}/{inner}", data)
     return destination
 
 
-def program(change: Callable[[dict[str, Any]], None]) -> dict[str, Callable[[bytes], bytes]]:
-    """An edit of the archive's program, models/model.json."""
+def json_edit(inner: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Callable[[bytes], bytes]]:
+    """An edit of the archive's JSON member ``inner``: ``change`` changes it in place."""
 
     def rewrite(data: bytes) -> bytes:
         loaded = json.loads(data)
         change(loaded)
         return json.dumps(loaded).encode()
 
-    return {"models/model.json": rewrite}
+    return {inner: rewrite}
+
+
+def program(change: Callable[[dict[str, Any]], None]) -> dict[str, Callable[[bytes], bytes]]:
+    """An edit of the archive's program, models/model.json."""
+    return json_edit("models/model.json", change)
 
 
 def dicts_with(tree: Any, key: str) -> list[dict[str, Any]]:
