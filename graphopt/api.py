@@ -176,7 +176,9 @@ def optimize(
             ``tune_budget_s`` allows),
             time them on the example inputs and return the fastest within ``accuracy``.
             Options given explicitly (``memory_format``, ``precision``, ``fuse``,
-            ``passes``) are kept, not tuned. Choices are cached (see ``graphopt.tuning``).
+            ``passes``) are kept, not tuned. Choices are cached (see ``graphopt.tuning``); a cached
+            choice is verified on this model and tuned again if over ``accuracy``. Not with
+            ``verify=False`` (a candidate's error must be measured).
         accuracy: with ``tune``, the largest error allowed, relative to the output's scale
             (default: the fp32 tolerance, 1e-4, so only exact candidates; 3e-2 admits bf16).
             With ``precision="int8"``, the output error budget (default 5e-2), measured on the
@@ -225,6 +227,12 @@ def optimize(
             raise InvalidOptionError(
                 f"accuracy={accuracy!r} applies with tune=True (the largest error a candidate may have) or precision='int8' "
                 "(the output error budget of the int8 layers): pass one of them, or leave accuracy out"
+            )
+        if tune and verify is False:  # tune keeps a candidate only if its error, measured by verification, is within accuracy
+            raise InvalidOptionError(
+                "tune=True returns the fastest candidate within accuracy, which it knows from each candidate's verified error: "
+                "verify=False would leave every error unmeasured. Leave verify out (or use verify='strict'), "
+                "or optimize without tune=True, passing the options you want"
             )
         low_dtype = None if int8 else check_precision(precision, model)
         graph_dtype = low_dtype if info.own_passes else None  # another engine computes in the low precision itself

@@ -182,7 +182,7 @@ class TuneReport:
     why: str
     candidates: list[TuneCandidate]
     accuracy: float
-    cache: str = "miss"  # "hit": the choice came from the cache, nothing was measured
+    cache: str = "miss"  # "hit": the choice came from the cache, nothing was measured; "rejected": the cached one was not within accuracy here
     seconds: float = 0.0
     ranking: Ranking | None = None  # how the accurate candidates were timed, and how clearly the winner won (None: from the cache)
 
@@ -193,7 +193,7 @@ class TuneReport:
             lines.append(f"    {self.ranking.verdict.upper()}: {self.ranking.concern()}")
         for candidate in self.candidates:
             if candidate.status == "measured" and candidate.seconds is not None:
-                result = f"{candidate.seconds * 1e3:.2f} ms, error {candidate.max_error or 0:.1e}"
+                result = f"{candidate.seconds * 1e3:.2f} ms, " + ("error not measured" if candidate.max_error is None else f"error {candidate.max_error:.1e}")
             else:
                 result = f"{candidate.status}: {candidate.reason}"
             lines.append(f"    {'*' if candidate.name == self.winner else ' '} {candidate.name}: {result}")

@@ -11,7 +11,9 @@ inputs, on the target device:
    accuracy budget), and, when the budget is large enough, pointwise fusion and the whole
    graph handed to torch.compile. Options the caller set explicitly are not tuned.
 2. Each candidate is built with `graphopt.optimize` (verified against the original: its
-   error is measured, not assumed); candidates over the accuracy budget are rejected.
+   error, the largest on the example and on the second input, is measured, not assumed;
+   ``optimize`` refuses ``tune=True`` with ``verify=False``); candidates over the accuracy
+   budget are rejected.
 3. The accurate candidates are timed together after a warm-up, in rounds whose order
    is shuffled (A B C, C A B, B C A, ...), until the fastest is clear of the runner-up beyond the
    measurement noise or the rest of the budget is spent (`graphopt.timing.rank_latencies`:
@@ -27,7 +29,10 @@ stops when half the budget is spent, and graphopt's own compiling candidates (``
 built only when the budget allows them; what was left out is listed with the reason. Results are
 cached per (model structure, input shapes and dtypes, device, options, candidates and
 their pass lists) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
-``~/.cache/graphopt``), so a second call builds the winner without measuring.
+``~/.cache/graphopt``), so a second call builds the winner without measuring. The key leaves
+the weights out (they do not change which candidate is fastest), but they can change a
+candidate's error: the cached choice is verified against ``accuracy`` like a fresh candidate,
+and one over it (or failing to build) is tuned again, the report saying why.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from graphopt import progress
 from graphopt.backends import EngineInfo
 from graphopt.errors import GraphoptError, error_summary
 from graphopt.pipeline import cpu_kernel_passes
-from graphopt.report import TuneCandidate, TuneReport
+from graphopt.report import Report, TuneCandidate, TuneReport
 from graphopt.timing import Ranking, rank_latencies, remeasure_requested
 
 # A low precision is a candidate only when the accuracy budget admits its documented error bound.
@@ -56,8 +61,9 @@ LOW_PRECISION_BOUNDS = {"bf16": 3e-2, "fp16": 1e-2}
 DEFAULT_BUDGET_S = 60.0
 COMPILE_BUDGET_S = 120.0  # below this budget, graphopt's own candidates that compile (fuse=) are left out
 
-# The timer is a module attribute so that tests can replace it with a deterministic one.
+# The timer and the clock the budget is spent by are module attributes so that tests can replace them with deterministic ones.
 measure_latencies: Callable[..., Ranking] = rank_latencies
+clock: Callable[[], float] = time.perf_counter
 
 _memory_cache: dict[str, dict[str, Any]] = {}
 
@@ -243,40 +249,40 @@ def tune(
     considered = [(candidate.name, candidate.options) for candidate in todo]
     key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})
     hit = None if settings.get("remeasure") or remeasure_requested() else cached(key)  # remeasure=: tune again too
-    if hit is not None:
-        module = build(**hit["winner_options"])
-        rows = [TuneCandidate(**row) for row in hit["candidates"]]
-        module.graphopt_report.tune = TuneReport(hit["winner"], hit["why"], rows, accuracy, cache="hit", seconds=0.0)
-        return module
-    started = time.perf_counter()
-    modules: dict[str, Any] = {}
     failures: list[Exception] = []
+    rejected = None  # the cached choice, where this model's weights put it over accuracy (or it fails to build)
+    if hit is not None:
+        row = TuneCandidate(hit["winner"], hit["winner_options"])
+        module, failure = _build(build, row, args, accuracy)
+        if module is not None:
+            why = f"{hit['why']}; verified on this model: {_error_text(row.max_error)}"
+            module.graphopt_report.tune = TuneReport(hit["winner"], why, [TuneCandidate(**entry) for entry in hit["candidates"]], accuracy, cache="hit", seconds=0.0)
+            return module
+        rejected = row  # stands for its candidate below: built once is enough
+        if failure is not None:
+            failures.append(failure)
+    started = clock()
+    modules: dict[str, Any] = {}
     for candidate in progress.steps(todo, "tune: building", lambda candidate: candidate.name):
+        if rejected is not None and candidate.name == rejected.name:
+            rows.append(rejected)
+            continue
         row = TuneCandidate(candidate.name, candidate.options)
         rows.append(row)
-        if modules and not candidate.required and time.perf_counter() - started > budget_s / 2:  # keep half the budget for timing
+        if modules and not candidate.required and clock() - started > budget_s / 2:  # keep half the budget for timing
             row.status, row.reason = "not built", f"tune_budget_s={budget_s:.0f} spent on the candidates before it"
             continue
-        building = time.perf_counter()
-        try:
-            module = build(**candidate.options)
-            module(*args)
-        except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
-            row.status, row.reason = "failed", error_summary(error)
-            failures.append(error)
-            continue
-        row.build_seconds = time.perf_counter() - building
-        row.max_error = module.graphopt_report.max_error or 0.0
-        if row.max_error > accuracy:
-            row.status, row.reason = "over budget", f"error {row.max_error:.1e} > accuracy {accuracy:.0e}"
-            continue
-        modules[candidate.name] = module
+        module, failure = _build(build, row, args, accuracy)
+        if failure is not None:
+            failures.append(failure)
+        if module is not None:
+            modules[candidate.name] = module
     if not modules:  # nothing to time: the first candidate's own error says why (the graph with no passes failed too)
         first = next((error for error in failures if isinstance(error, GraphoptError)), failures[0] if failures else None)
         if isinstance(first, GraphoptError):
             raise first
         raise GraphoptError(f"tune=True built no candidate ({'; '.join(f'{row.name}: {row.reason}' for row in rows)}): optimize without tune=True to see the error") from first
-    remaining = max(budget_s - (time.perf_counter() - started), 0.0)
+    remaining = max(budget_s - (clock() - started), 0.0)
     runs = {name: (lambda module=module: module(*args)) for name, module in modules.items()}
     ranking = measure_latencies(runs, budget_s=remaining)
     for row in rows:
@@ -284,12 +290,41 @@ def tune(
             row.status, row.seconds = "measured", ranking.medians[row.name]
     winner = ranking.winner
     why = _why(ranking, rows, accuracy)
-    report = TuneReport(winner, why, rows, accuracy, cache="miss", seconds=time.perf_counter() - started, ranking=ranking)
+    shown = why if rejected is None else f"the cached choice {rejected.name} was rejected on this model ({rejected.status}: {rejected.reason}), so tune measured again; {why}"
+    report = TuneReport(winner, shown, rows, accuracy, cache="miss" if rejected is None else "rejected", seconds=clock() - started, ranking=ranking)
     chosen = modules[winner]
     chosen.graphopt_report.tune = report
     if ranking.verdict != "disturbed":  # a choice timed while other processes held the CPU is made again next time
         remember(key, {"winner": winner, "winner_options": next(c.options for c in todo if c.name == winner), "why": why, "candidates": [asdict(r) for r in rows]})
     return chosen
+
+
+def measured_error(report: Report) -> float | None:
+    """A candidate's error relative to the output's scale: the largest its verification measured (each pass on the example,
+    the final graph or engine on the second input); None where nothing but the capture's own check against eager ran."""
+    return max((error for error in (report.max_error, report.second_input_error) if error is not None), default=None)
+
+
+def _error_text(error: float | None) -> str:
+    return "error not measured (a graph with no passes, checked against eager by the capture only)" if error is None else f"error {error:.1e}"
+
+
+def _build(build: Callable[..., Any], row: TuneCandidate, args: tuple[Any, ...], accuracy: float) -> tuple[Any, Exception | None]:
+    """Build and run ``row``'s candidate, recording in ``row`` its build time and measured error, or why it is out:
+    the module if it is within ``accuracy`` (else None), and the exception if it failed."""
+    building = clock()
+    try:
+        module = build(**row.options)
+        module(*args)
+    except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
+        row.status, row.reason = "failed", error_summary(error)
+        return None, error
+    row.build_seconds = clock() - building
+    row.max_error = measured_error(module.graphopt_report)
+    if row.max_error is not None and row.max_error > accuracy:
+        row.status, row.reason = "over budget", f"error {row.max_error:.1e} > accuracy {accuracy:.0e}"
+        return None, None
+    return module, None
 
 
 def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
@@ -300,4 +335,4 @@ def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
     if ranking.runner_up is not None:
         text += f"; next {ranking.runner_up} at {latencies[ranking.runner_up] * 1e3:.2f} ms"
     text += f"; timed {ranking.describe()}"
-    return text + f"; error {error:.1e} within accuracy {accuracy:.0e}"
+    return text + f"; {_error_text(error)} within accuracy {accuracy:.0e}"

@@ -1,6 +1,7 @@
 """optimize(tune=True): the fastest candidate within the accuracy budget wins, over-budget ones never do, the cache skips measuring.
 
-Latencies come from a deterministic fake timer (graphopt.tuning.measure_latencies): no test times anything.
+Latencies come from a deterministic fake timer (graphopt.tuning.measure_latencies), and the budget is spent on a fake
+clock (graphopt.tuning.clock) where a test depends on it: no test times anything.
 Engines other than PyTorch are candidates only in the tests that ask for them (each costs seconds to build;
 tests/test_engines.py checks tune across every engine).
 """
@@ -19,7 +20,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import timing, tuning
 from graphopt.backends import ENGINES
-from graphopt.errors import InvalidOptionError
+from graphopt.errors import InvalidOptionError, VerificationWarning
 from graphopt.runtime import int8_modules
 from graphopt.models import REFERENCE_MODELS
 from tests.conftest import measured_as
@@ -63,6 +64,25 @@ def with_engines() -> None:
     """The installed engines stay tune's candidates (see `pytorch_only`)."""
 
 
+class FakeClock:
+    """The clock tune spends its budget by: it stands still but for the seconds `advance` adds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def use_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(tuning, "clock", clock)
+    return clock
+
+
 def use_timer(monkeypatch: pytest.MonkeyPatch, latencies: Mapping[str, float]) -> FakeTimer:
     timer = FakeTimer(latencies)
     monkeypatch.setattr(tuning, "measure_latencies", timer)
@@ -80,6 +100,7 @@ def names(report: graphopt.Report, status: str) -> set[str]:
 
 def test_the_fastest_exact_candidate_wins_by_default(monkeypatch: pytest.MonkeyPatch, with_engines: None) -> None:
     timer = use_timer(monkeypatch, {"fp32 preserve": 4e-3, "fp32 channels_last": 6e-3, "captured graph, no passes": 9e-3})
+    use_clock(monkeypatch)  # the builds take no time: however slowly the engines build here, the budget cut leaves none out
     model, inputs = resnet()
     tuned = graphopt.optimize(model, inputs, tune=True)
     report = tuned.graphopt_report
@@ -153,6 +174,7 @@ def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     assert second.graphopt_report.tune.winner == "fp32 channels_last"
     assert "to_channels_last" in [p.name for p in second.graphopt_report.passes]
     assert "from the cache, not measured again" in str(second.graphopt_report)
+    assert "; verified on this model: error " in second.graphopt_report.tune.why  # the cached choice held to accuracy here too
     other_batch = REFERENCE_MODELS["resnet"].example_inputs(3)
     graphopt.optimize(model, other_batch, tune=True)  # other input shapes: measured again
     assert len(timer.measured) == 2
@@ -233,11 +255,104 @@ def test_a_failing_candidate_is_reported_and_skipped(monkeypatch: pytest.MonkeyP
     assert report.tune.winner in names(report, "measured")
 
 
-@pytest.mark.parametrize("options, message", [({"accuracy": 0}, "accuracy=0"), ({"tune_budget_s": -1}, "tune_budget_s=-1")])
-def test_bad_tuning_options(options: dict[str, Any], message: str) -> None:
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"accuracy": 0}, "accuracy=0"),
+        ({"tune_budget_s": -1}, "tune_budget_s=-1"),
+        # tune keeps the fastest candidate within accuracy: unverified, no candidate's error would be known
+        ({"verify": False, "accuracy": 3e-2}, "verify=False would leave every error unmeasured. Leave verify out"),
+        ({"verify": False}, "verify=False would leave every error unmeasured. Leave verify out"),
+    ],
+)
+def test_bad_tuning_options(options: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {})
     model, inputs = resnet()
     with pytest.raises(InvalidOptionError, match=message):
         graphopt.optimize(model, inputs, tune=True, **options)
+    assert timer.measured == []  # refused before any candidate was built
+
+
+def test_a_spent_budget_still_measures_the_reference_and_the_default_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {})
+    clock = use_clock(monkeypatch)
+    original = graphopt.api.optimize
+
+    def slow(model: nn.Module, example_inputs: Any, **options: Any) -> graphopt.OptimizedModule:
+        clock.advance(10.0)  # each build takes 10 s on tune's clock, over half of tune_budget_s=1
+        return original(model, example_inputs, **options)
+
+    monkeypatch.setattr(graphopt.api, "optimize", slow)
+    model, inputs = resnet()
+    report = original(model, inputs, tune=True, tune_budget_s=1).graphopt_report
+    assert timer.measured == [["captured graph, no passes", "default call"]]  # built whatever the budget
+    cut = {c.name for c in report.tune.candidates if (c.status, c.reason) == ("not built", "tune_budget_s=1 spent on the candidates before it")}
+    assert cut == {"fp32 channels_last + oneDNN", "fp32 channels_last", "fp32 preserve"}
+    assert "fp32 preserve: not built: tune_budget_s=1 spent on the candidates before it" in str(report)
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
+
+def with_cancelling_weights(model: TwoLinears) -> TwoLinears:
+    """Each output the difference of two hidden units near 300 that differ by 0.3 x-weighted: bf16 (spacing 2 there) loses it all."""
+    with torch.no_grad():
+        large = 300 + torch.rand(8, 8)
+        model.up.weight.copy_(torch.cat([large, large + 0.3]))
+        model.up.bias.zero_()
+        model.down.weight.copy_(torch.cat([torch.eye(4), torch.zeros(4, 4), -torch.eye(4), torch.zeros(4, 4)], dim=1))
+        model.down.bias.zero_()
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:graphopt rolled back pass:graphopt.errors.VerificationWarning")  # fp32 kernels may reassociate over fp32's tolerance on this cancellation
+def test_a_cached_choice_over_accuracy_with_other_weights_is_tuned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {"bf16 preserve": 1e-3})
+    x = torch.randn(2, 8)
+    assert graphopt.optimize(TwoLinears().eval(), x, tune=True, accuracy=3e-2).graphopt_report.tune.winner == "bf16 preserve"
+    cancelling = with_cancelling_weights(TwoLinears().eval())  # the same architecture: the same cache key
+    tuned = graphopt.optimize(cancelling, x, tune=True, accuracy=3e-2)
+    report = tuned.graphopt_report.tune
+    assert report.cache == "rejected"
+    assert report.why.startswith("the cached choice bf16 preserve was rejected on this model (over budget: error ")
+    assert "so tune measured again" in report.why
+    assert not report.winner.startswith("bf16")
+    for inputs in (x, torch.randn(3, 8)):  # the error against the original in float32, on the example and another batch
+        expected = cancelling(inputs)
+        assert (tuned(inputs) - expected).abs().max() <= 3e-2 * expected.abs().max()
+    # the new choice replaced the cached one, and holds on this model: a hit now
+    assert graphopt.optimize(cancelling, x, tune=True, accuracy=3e-2).graphopt_report.tune.cache == "hit"
+
+
+class IncreasingRows(nn.Module):
+    """Accepts only rows that increase: every second input graphopt resamples from the example is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert((x[:, 1:] > x[:, :-1]).all(), "each row must increase")
+        return self.linear(x)
+
+
+def test_an_error_not_measured_is_never_recorded_as_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_timer(monkeypatch, {"captured graph, no passes": 1e-3})
+    x = torch.rand(2, 4).cumsum(dim=1)
+    with pytest.warns(VerificationWarning, match="no second input"):
+        report = graphopt.optimize(IncreasingRows().eval(), x, tune=True).graphopt_report
+    # no pass and no second input: nothing but the capture's own check against eager ran on the graph with no passes
+    (reference,) = [c for c in report.tune.candidates if c.name == "captured graph, no passes"]
+    assert reference.status == "measured" and reference.max_error is None
+    assert "captured graph, no passes: 1.00 ms, error not measured" in str(report)
+    assert report.tune.why.endswith("error not measured (a graph with no passes, checked against eager by the capture only) within accuracy 1e-04")
 
 
 @pytest.mark.parametrize("int8_fastest", [True, False])
