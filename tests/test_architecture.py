@@ -20,10 +20,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "graphopt"
 
 # docs/architecture.md's layers, top down: a module imports from its own layer or below; a name covers its submodules
 LAYERS = {
-    "entry points": ("graphopt", "graphopt.cli", "graphopt.bench", "graphopt.lint", "graphopt.data"),
-    "API": ("graphopt.api", "graphopt.export", "graphopt.saving", "graphopt.archive_metadata", "graphopt.tuning", "graphopt.precision"),
+    "entry points": (
+        "graphopt", "graphopt.cli", "graphopt.cli_arguments", "graphopt.cli_optimize", "graphopt.cli_run", "graphopt.cli_bench", "graphopt.cli_lint",
+        "graphopt.cli_listings", "graphopt.bench", "graphopt.lint", "graphopt.data",
+    ),
+    "API": ("graphopt.api", "graphopt.export", "graphopt.saving", "graphopt.load_safety", "graphopt.archive_metadata", "graphopt.tuning", "graphopt.precision"),
     "backends": ("graphopt.backends",),
-    "pipeline": ("graphopt.pipeline", "graphopt.capture", "graphopt.validate", "graphopt.side_effects", "graphopt.device"),
+    "pipeline": ("graphopt.pipeline", "graphopt.capture", "graphopt.validate", "graphopt.side_effects", "graphopt.user_objects", "graphopt.device"),
     "passes": ("graphopt.passes",),
     "runtime": ("graphopt.runtime",),
     "ops": ("graphopt.ops",),

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import cli, timing
+from graphopt import cli, cli_bench, cli_optimize, timing
 from graphopt.errors import GraphoptError
 from graphopt.pipeline import PRESETS, preset
 from tests.conftest import measured_as
@@ -183,7 +183,7 @@ def test_optimize_with_strict_verification_fails_on_a_mismatch(capsys: pytest.Ca
         assert kwargs["verify"] == "strict"
         raise VerificationError("pass 'x' changed output")
 
-    monkeypatch.setattr("graphopt.cli.optimize", refuse)
+    monkeypatch.setattr(cli_optimize, "optimize", refuse)
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--strict-verify")
     assert code != 0 and "pass 'x' changed output" in err
 
@@ -399,7 +399,7 @@ def timing_stub(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """
     optimized_calls: list[int] = []
     record: dict[str, Any] = {"outputs": {}, "ran_optimized": {}}
-    real_optimize = cli.optimize
+    real_optimize = cli_bench.optimize
 
     def spying_optimize(*args: Any, **kwargs: Any) -> Any:
         module = real_optimize(*args, **kwargs)
@@ -413,8 +413,8 @@ def timing_stub(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             record["ran_optimized"][name] = len(optimized_calls) > before
         return {name: 0.004 / (index + 1) for index, name in enumerate(variants)}
 
-    monkeypatch.setattr(cli, "optimize", spying_optimize)
-    monkeypatch.setattr(cli, "median_latencies", fake_median_latencies)
+    monkeypatch.setattr(cli_bench, "optimize", spying_optimize)
+    monkeypatch.setattr(cli_bench, "median_latencies", fake_median_latencies)
     return record
 
 
@@ -562,13 +562,13 @@ def int8_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
 def calibration_given(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The ``calibration`` each call of optimize from the CLI received (the call itself runs)."""
     received: list[Any] = []
-    real_optimize = cli.optimize
+    real_optimize = cli_optimize.optimize
 
     def spying_optimize(*args: Any, **kwargs: Any) -> Any:
         received.append(kwargs["calibration"])
         return real_optimize(*args, **kwargs)
 
-    monkeypatch.setattr(cli, "optimize", spying_optimize)
+    monkeypatch.setattr(cli_optimize, "optimize", spying_optimize)
     return received
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
-from graphopt import saving
+from graphopt import load_safety, saving
 from graphopt.errors import LoadError, SaveError
 
 REFUSED = "was not written by graphopt.save, or was changed since"
@@ -280,7 +280,7 @@ def test_payload_entries_named_otherwise_than_torch_names_tensors_are_refused(sa
 
 def test_a_file_the_loader_would_refuse_is_not_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fast = graphopt.optimize(Tagger().eval(), tokens(3, 6))
-    monkeypatch.setattr(saving, "_is_size", lambda node: False)  # as if torch wrote a size the grammar does not know
+    monkeypatch.setattr(load_safety, "_is_size", lambda node: False)  # as if torch wrote a size the grammar does not know
     with pytest.raises(SaveError, match=f"graphopt.load refuses the file torch.export.save wrote .*the symbolic size.*{REFUSED}.*Nothing was written"):
         graphopt.save(fast, tmp_path / "model.pt2")
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import graphopt.models
-from graphopt import cli
+from graphopt import cli, cli_bench
 from graphopt.bench.results import BenchResult
 from graphopt.bench.suite import QUICK_VARIANTS
 from graphopt.bench.variants import select, variants
@@ -170,8 +170,8 @@ def test_list_variants(capsys: pytest.CaptureFixture[str]) -> None:
 def test_quick_runs_a_few_fast_variants_and_says_which(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """--quick alone picks its short list (not all 29 variants), records it in the command, and --help names it."""
     calls: list[tuple[Any, str]] = []
-    monkeypatch.setattr(cli, "run_suite", lambda models, settings, command: calls.append((settings, command)) or BenchResult(command, {}, {}, ""))
-    monkeypatch.setattr(cli, "to_markdown", lambda result: "")
+    monkeypatch.setattr(cli_bench, "run_suite", lambda models, settings, command: calls.append((settings, command)) or BenchResult(command, {}, {}, ""))
+    monkeypatch.setattr(cli_bench, "to_markdown", lambda result: "")
     bench(capsys, "--quick", "--output-dir", str(tmp_path))
     ((settings, command),) = calls
     assert settings.variants == list(QUICK_VARIANTS) and 3 <= len(QUICK_VARIANTS) <= 6
