@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from graphopt.bench.harness import relative_error
+from graphopt.errors import EngineError
 from graphopt.bench.variants import Setup, VariantSkipped, _graphopt, select, variants
 from tests.conftest import model_state, randomize_batch_norms
 
@@ -36,6 +37,12 @@ def test_keys_are_unique_and_every_role_is_known() -> None:
     assert any("fp16" in variant.label for variant in variants("fp16"))
 
 
+def openvino_native_bf16() -> bool:
+    from graphopt.backends import openvino_engine
+
+    return "BF16" in openvino_engine.core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
 # torch.compile takes seconds per model even this small, and graphopt's export checks the file in onnxruntime
 SLOW = {
     "compile", "compile-amp-cl", "compile-freeze-cl", "compile-freeze-amp-cl", "ort-graphopt", "graphopt-cl-fuse", "graphopt-low-cl-fuse",
@@ -47,6 +54,10 @@ SLOW = {
 def test_variant_builds_runs_and_matches_eager(key: str, tmp_path: Path) -> None:
     setup = setup_for(tmp_path)
     before = model_state(setup.model)
+    if key == "graphopt-openvino-low" and not openvino_native_bf16():  # OpenVINO would compute in f32: graphopt refuses it
+        with pytest.raises(EngineError, match="this CPU has no native bf16 .*use precision='fp32'"):
+            BY_KEY[key].build(setup)
+        return
     with torch.inference_mode():
         expected = setup.model(*setup.inputs)
         output = BY_KEY[key].build(setup)()
