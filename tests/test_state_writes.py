@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt.errors import EngineError
+from tests.test_verification import CountsSteps  # a counter in forward(): self.steps += 1
 
 CALLS = 4
 
@@ -26,19 +27,6 @@ class RunningMean(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.mean.mul_(0.9).add_(0.1 * x.mean(0))
         return self.linear(x) + self.mean
-
-
-class CountsSteps(nn.Module):
-    """A counter in forward(): ``self.steps += 1``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.register_buffer("steps", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.steps += 1
-        return self.linear(x) * self.steps
 
 
 class AddsOnes(nn.Module):
