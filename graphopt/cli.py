@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from graphopt import __version__
-from graphopt.api import MEMORY_FORMATS
+from graphopt.options import MEMORY_FORMATS
 from graphopt.backends import DEFAULT_ENGINE, ENGINES
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.bench.suite import QUICK_VARIANTS

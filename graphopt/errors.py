@@ -7,6 +7,21 @@ was wrong and what to do about it. Subclasses also derive from the matching buil
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(__file__) + os.sep  # as the code objects of graphopt's modules name their files
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` pointing at the line outside graphopt that called it (the user's ``optimize(...)``), however
+    deep in graphopt's stages the warning is raised."""
+    frame, level = sys._getframe(1), 2  # level 1 is this function, 2 its caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
 
 def error_summary(error: BaseException) -> str:
     """An exception's type and the first line of its message, to quote in another message."""

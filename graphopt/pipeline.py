@@ -27,7 +27,6 @@ import copy
 import difflib
 import operator
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from graphopt import progress, timing, verify
 from graphopt.checkpoint import key_map
-from graphopt.errors import GraphoptError, InvalidOptionError, PassModeError, UnknownPassError, VerificationError, VerificationWarning
+from graphopt.errors import GraphoptError, InvalidOptionError, PassModeError, UnknownPassError, VerificationError, VerificationWarning, warn_at_caller
 from graphopt.passes import MODES, REGISTRY, Mode, PassContext, PassInfo, PassResult
 from graphopt.passes import base as pass_base
 from graphopt.passes.fold_conv_bn import fold_conv_bn
@@ -452,11 +451,10 @@ def run_verified(
                 verifier.second_each_pass = True  # find the pass that breaks the second input
             else:
                 rolled_back[error.pass_name] = error.reason
-                warnings.warn(
+                warn_at_caller(
                     f"graphopt rolled back pass {error.pass_name!r}, which failed verification: {error.reason} The other passes "
                     "stand. Use verify='strict' to make a mismatch an error; please report the model.",
                     VerificationWarning,
-                    stacklevel=4,
                 )
             gm = capture()
     ran = dict(zip((info.name for info in chosen), reports, strict=True))

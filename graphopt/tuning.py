@@ -102,8 +102,8 @@ def candidates(
     PyTorch that may serve the model (inference on the CPU): each in each precision it computes in
     and ``accuracy`` admits (int8 too, with calibration batches), built right after the reference
     (the likeliest winners where a strong runtime exists), every engine's lowest precision first,
-    all from one capture and one run of the portable passes (`graphopt.api` shares them within a
-    tune call, and the engines their conversions); one not installed is listed with the extra to
+    all from one capture and one run of the portable passes (``build`` passes one
+    `graphopt.stages.SharedByEngines` to them all, the engines their conversions); one not installed is listed with the extra to
     install.
     The default call itself (``optimize(model, inputs)``) is a candidate whenever no option is
     fixed, built whatever the budget as the reference is, so that the result is never slower

@@ -24,7 +24,7 @@ LAYERS = {
         "graphopt", "graphopt.cli", "graphopt.cli_arguments", "graphopt.cli_optimize", "graphopt.cli_run", "graphopt.cli_bench", "graphopt.cli_lint",
         "graphopt.cli_listings", "graphopt.bench", "graphopt.lint", "graphopt.data",
     ),
-    "API": ("graphopt.api", "graphopt.export", "graphopt.saving", "graphopt.load_safety", "graphopt.archive_metadata", "graphopt.tuning", "graphopt.precision"),
+    "API": ("graphopt.api", "graphopt.options", "graphopt.stages", "graphopt.export", "graphopt.saving", "graphopt.load_safety", "graphopt.archive_metadata", "graphopt.tuning", "graphopt.precision"),
     "backends": ("graphopt.backends",),
     "pipeline": ("graphopt.pipeline", "graphopt.capture", "graphopt.validate", "graphopt.side_effects", "graphopt.user_objects", "graphopt.device"),
     "passes": ("graphopt.passes",),
@@ -148,3 +148,61 @@ def test_pass_names_are_spelled_only_in_the_passes_package() -> None:
 
 def test_the_pass_name_scan_finds_names() -> None:
     assert pass_names_in_strings(PACKAGE / "passes" / "__init__.py")
+
+
+# sizes that keep a module readable in one sitting (bench/ and models/ are scripts and model definitions)
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_OPTIMIZE_BODY_LINES = 600, 120, 80
+
+
+def sized_modules() -> dict[str, Path]:
+    return {name: path for name, path in modules().items() if not (within(name, "graphopt.bench") or within(name, "graphopt.models"))}
+
+
+def function_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[int, int]:
+    """A function's lines, decorators included, and its body's, docstring excluded."""
+    body = function.body[1:] if function.body and id(getattr(function.body[0], "value", None)) in docstrings(function) else function.body
+    first = function.decorator_list[0].lineno if function.decorator_list else function.lineno
+    return function.end_lineno - first + 1, (body[-1].end_lineno - body[0].lineno + 1) if body else 0  # type: ignore[operator]
+
+
+def test_modules_and_functions_stay_short() -> None:
+    """No module over 600 lines, no function over 120 (argparse parser builders aside), optimize's body (its
+    docstring, the user's documentation, aside) at most 80: a new capability gets its own stage or module."""
+    too_long = []
+    for name, path in sized_modules().items():
+        tree = ast.parse(path.read_text())
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            total, body = function_lines(node)
+            if name == "graphopt.api" and node.name == "optimize":
+                if body > MAX_OPTIMIZE_BODY_LINES:
+                    too_long.append(f"graphopt.api.optimize: its body is {body} lines")
+            elif total > MAX_FUNCTION_LINES and not node.name.endswith("parser"):
+                too_long.append(f"{name}.{node.name}: {total} lines")
+    assert too_long == []
+
+
+def test_the_size_rule_sees_what_it_measures() -> None:
+    api = ast.parse((PACKAGE / "api.py").read_text())
+    (optimize,) = [node for node in ast.walk(api) if isinstance(node, ast.FunctionDef) and node.name == "optimize"]
+    total, body = function_lines(optimize)
+    assert 10 < body < total  # the docstring is counted out of the body, not the whole function
+    assert "graphopt.api" in sized_modules() and "graphopt.bench.harness" not in sized_modules()
+
+
+def test_the_documented_stages_are_the_ones_optimize_runs() -> None:
+    """docs/architecture.md's stage table lists, in order, the functions `api.run_stages` calls after check_options."""
+    document = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = document.split("## `optimize`, stage by stage", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| \w+ \| `(?:options|stages)\.(\w+)` \|", section, flags=re.MULTILINE)
+    api = ast.parse((PACKAGE / "api.py").read_text())
+    (run_stages,) = [node for node in api.body if isinstance(node, ast.FunctionDef) and node.name == "run_stages"]
+    calls = sorted((node.lineno, node.func.id) for node in ast.walk(run_stages) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name))
+    called = [name for _, name in calls]
+    stages = [name for name in called if name in ("prepare", "capture_model", "rewrite", "build_runtime", "assemble")]
+    assert documented == ["check_options", *stages]
+    assert stages == ["prepare", "capture_model", "rewrite", "build_runtime", "assemble"]

@@ -1,4 +1,4 @@
-"""How an engine's result is verified (api._on_engine, Verifier.output_tolerance): the tolerance each precision sets.
+"""How an engine's result is verified (stages._on_engine, Verifier.output_tolerance): the tolerance each precision sets.
 
 A fake engine (registered in graphopt.backends.ENGINES for one test) runs graphopt's own graph and
 changes its outputs by a chosen relative amount, on every input or on the second input only. int8

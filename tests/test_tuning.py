@@ -214,8 +214,8 @@ def test_the_engine_candidates_share_one_capture_passes_and_conversion(monkeypat
 
         return call
 
-    monkeypatch.setattr(graphopt.api, "capture_graph", counted("capture", graphopt.api.capture_graph))
-    monkeypatch.setattr(graphopt.api, "run_verified", counted("passes", graphopt.api.run_verified))
+    monkeypatch.setattr(graphopt.stages, "capture_graph", counted("capture", graphopt.stages.capture_graph))
+    monkeypatch.setattr(graphopt.stages, "run_verified", counted("passes", graphopt.stages.run_verified))
     for module in (openvino_engine, onnxruntime_engine):
         monkeypatch.setattr(module, "export_program", counted("torch.export", module.export_program))
     monkeypatch.setattr(openvino_engine, "_convert", counted("openvino conversion", openvino_engine._convert))
@@ -241,15 +241,15 @@ def test_the_engine_candidates_share_one_capture_passes_and_conversion(monkeypat
 def test_a_failing_candidate_is_reported_and_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     use_timer(monkeypatch, {})
     model, inputs = resnet()
-    original = graphopt.api.optimize
+    original = graphopt.api.build_candidate
 
-    def flaky(model: nn.Module, example_inputs: Any, **options: Any) -> graphopt.OptimizedModule:
+    def flaky(model: nn.Module, example_inputs: Any, shared: Any, **options: Any) -> graphopt.OptimizedModule:
         if options.get("memory_format") == "channels_last":
             raise RuntimeError("layout broke")
-        return original(model, example_inputs, **options)
+        return original(model, example_inputs, shared, **options)
 
-    monkeypatch.setattr(graphopt.api, "optimize", flaky)
-    report = original(model, inputs, tune=True).graphopt_report
+    monkeypatch.setattr(graphopt.api, "build_candidate", flaky)
+    report = graphopt.optimize(model, inputs, tune=True).graphopt_report
     failed = {c.name: c.reason for c in report.tune.candidates if c.status == "failed"}
     assert failed == dict.fromkeys(["fp32 channels_last", "fp32 channels_last + oneDNN"], "RuntimeError: layout broke")
     assert report.tune.winner in names(report, "measured")
@@ -276,15 +276,15 @@ def test_bad_tuning_options(options: dict[str, Any], message: str, monkeypatch: 
 def test_a_spent_budget_still_measures_the_reference_and_the_default_call(monkeypatch: pytest.MonkeyPatch) -> None:
     timer = use_timer(monkeypatch, {})
     clock = use_clock(monkeypatch)
-    original = graphopt.api.optimize
+    original = graphopt.api.build_candidate
 
-    def slow(model: nn.Module, example_inputs: Any, **options: Any) -> graphopt.OptimizedModule:
+    def slow(model: nn.Module, example_inputs: Any, shared: Any, **options: Any) -> graphopt.OptimizedModule:
         clock.advance(10.0)  # each build takes 10 s on tune's clock, over half of tune_budget_s=1
-        return original(model, example_inputs, **options)
+        return original(model, example_inputs, shared, **options)
 
-    monkeypatch.setattr(graphopt.api, "optimize", slow)
+    monkeypatch.setattr(graphopt.api, "build_candidate", slow)
     model, inputs = resnet()
-    report = original(model, inputs, tune=True, tune_budget_s=1).graphopt_report
+    report = graphopt.optimize(model, inputs, tune=True, tune_budget_s=1).graphopt_report
     assert timer.measured == [["captured graph, no passes", "default call"]]  # built whatever the budget
     cut = {c.name for c in report.tune.candidates if (c.status, c.reason) == ("not built", "tune_budget_s=1 spent on the candidates before it")}
     assert cut == {"fp32 channels_last + oneDNN", "fp32 channels_last", "fp32 preserve"}

@@ -41,7 +41,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from graphopt import progress, verify
-from graphopt.errors import error_summary
+from graphopt.errors import error_summary, warn_at_caller
 from graphopt.dynamic import Dims
 from graphopt.ops import layout_of, record
 from graphopt.ops.record import RunContext
@@ -178,11 +178,10 @@ def _warn_torchscript_deprecated() -> None:
     global _torchscript_warned
     if not _torchscript_warned:
         _torchscript_warned = True
-        warnings.warn(
+        warn_at_caller(
             "fuse='torchscript' uses torch.jit.script, which PyTorch has deprecated; graphopt keeps it working, "
             "but prefer fuse='inductor' (torch.compile)",
             FutureWarning,
-            stacklevel=4,
         )
 
 
