@@ -19,6 +19,7 @@ exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt import dynamic, tuning
+from graphopt import dynamic, generation, tuning
 from graphopt.backends import DEFAULT_ENGINE, ENGINES
 from graphopt.capture import one_at_a_time
 from graphopt.device import device_types
@@ -157,7 +158,8 @@ def optimize(
             tuning and compiling: None (default) on a terminal only, True always, False never.
 
     Returns:
-        An `OptimizedModule` with ``.graphopt_report``.
+        An `OptimizedModule` with ``.graphopt_report``; for a causal language model with its key/value cache on
+        (transformers' ``GenerationMixin``, ``config.use_cache``), also ``.generate()`` (see `graphopt.generation`).
     """
     if progress is not None and not isinstance(progress, bool):
         raise InvalidOptionError(f"progress={progress!r}: use True (always), False (never) or None (on a terminal only)")
@@ -177,6 +179,8 @@ def optimize(
 def run_stages(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None = None) -> OptimizedModule:
     """``optimize``'s stages after the options, in order (see `graphopt.stages`); ``shared``: within a tune call, what
     its engine candidates share."""
+    if options.generation:
+        return _with_generation(model, example_inputs, options, shared)
     workspace = prepare(model, example_inputs, options)
     # forward() runs many times below (reference, capture, checks): what it writes outside the call (globals,
     # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
@@ -187,6 +191,15 @@ def run_stages(model: nn.Module, example_inputs: Any, options: Options, shared: 
         optimized = assemble(workspace, capture, rewritten, runtime, options)
     if options.int8 and options.info.own_passes and options.passes is None and not int8_modules(optimized):
         return _float_instead_of_int8(model, example_inputs, options, optimized.graphopt_report)
+    return optimized
+
+
+def _with_generation(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
+    """A causal language model with its cache on: its calls through the stages on a copy whose cache is off, and
+    ``generate()`` on the prefill and decode graphs of another copy (`graphopt.generation`), verified."""
+    optimized = run_stages(generation.without_cache(model), example_inputs, dataclasses.replace(options, generation=False), shared)
+    optimized.generator = generation.build(model, example_inputs, prepare(model, example_inputs, options).owned)
+    optimized.graphopt_report.generation = optimized.generator.report
     return optimized
 
 

@@ -19,6 +19,8 @@ from graphopt.backends import DEFAULT_ENGINE, EngineInfo, engine_info
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.capture import check_frontend
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, warn_at_caller
+from graphopt.generation import check_model as check_generation_model
+from graphopt.generation import is_cached_lm as generation_model
 from graphopt.passes import MODES, Mode, PassInfo
 from graphopt.pipeline import engine_left_out, select_passes
 from graphopt.precision import INT8, PRECISIONS, check_int8, check_precision, precision_policy
@@ -68,6 +70,7 @@ class Options:
     pass_infos: Sequence[PassInfo]
     strict: bool  # verify="strict"
     tune_accuracy: float | None  # tune=True: the largest error a candidate may have
+    generation: bool = False  # a causal language model with its key/value cache: generate() is built too (graphopt.generation)
 
     def shared_by_candidates(self) -> dict[str, Any]:
         """The options every tune candidate is built with, as the caller gave them."""
@@ -177,13 +180,14 @@ def check_options(
     resolved_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
     strict = _check_verify(verify)
     tune_accuracy = _check_tuning(accuracy, tune_budget_s, precision) if tune else None
+    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision, tune)
     options = Options(
         mode_given=mode, passes=passes, disable=disable, frontend=frontend, dynamic_shapes=resolved_shapes, verify=verify,
         memory_format=memory_format, keep_channels_last_outputs=keep_channels_last_outputs, precision=precision,
         low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, calibration=calibration, fuse=fuse, engine=engine, device=device,
         tune=tune, accuracy=accuracy, tune_budget_s=tune_budget_s, remeasure=remeasure, mode=resolved_mode, info=info, int8=int8,
         int8_accuracy=int8_accuracy, low_dtype=low_dtype, graph_dtype=graph_dtype, low_ops=low_ops, kept_ops=kept_ops,
-        measure=measure, pass_infos=pass_infos, strict=strict, tune_accuracy=tune_accuracy,
+        measure=measure, pass_infos=pass_infos, strict=strict, tune_accuracy=tune_accuracy, generation=generation,
     )  # fmt: skip
     return model, example_inputs, options
 
@@ -266,3 +270,23 @@ def _check_tuning(accuracy: float | None, budget_s: float, precision: str) -> fl
     if not (isinstance(budget_s, (int, float)) and budget_s > 0):
         raise InvalidOptionError(f"tune_budget_s={budget_s!r}: give a number of seconds, e.g. 60")
     return float(accuracy)
+
+
+def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str, tune: bool) -> bool:
+    """A causal language model with its cache on gets generate() (True); what generation does not do yet is refused."""
+    check_generation_model(model, training=mode == "training")
+    unsupported = [
+        text
+        for text, given in (
+            (f"engine={info.name!r} (generation runs on engine='pytorch' so far)", not info.own_passes),
+            (f"precision={precision!r} (generation computes in fp32 so far)", precision != "fp32"),
+            ("tune=True (generation is not tuned yet)", tune),
+        )
+        if given
+    ]
+    if unsupported:
+        raise InvalidOptionError(
+            f"{type(model).__name__} generates with its key/value cache, and graphopt's generate() does not take {'; '.join(unsupported)}: "
+            "leave the option out, or set model.config.use_cache = False to optimize its forward alone (scoring, no generation)"
+        )
+    return True

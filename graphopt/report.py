@@ -219,6 +219,28 @@ class EngineReport:
 
 
 @dataclass
+class GenerationReport:
+    """A causal language model's ``generate()``: the graphs it runs, the cache, the times and how it was verified."""
+
+    engine: str
+    max_length: int  # prompt + new tokens: the model's position limit
+    cache_bytes_per_token: int  # the key/value cache of one token of one sequence
+    prefill_seconds: float = 0.0  # the example prompt's prefill
+    token_seconds: float = 0.0  # one new token (a decode step), median over the verification's steps
+    verified: list[str] = field(default_factory=list)  # the prompts whose greedy tokens equal the original's
+    max_error: float | None = None  # the largest logit error of any step, relative to the logits' scale
+
+    def lines(self) -> list[str]:
+        verified = f"greedy tokens equal to the original's on {', '.join(self.verified)}" if self.verified else "not verified"
+        error = "" if self.max_error is None else f", logits within {self.max_error:.1e}"
+        return [
+            f"generation: {self.engine}, prefill and decode graphs with the key/value cache as tensors; up to {self.max_length} positions, "
+            f"cache {self.cache_bytes_per_token} bytes per token per sequence",
+            f"    prefill {self.prefill_seconds * 1e3:.2f} ms on the example prompt, {self.token_seconds * 1e3:.2f} ms per new token; {verified}{error}",
+        ]
+
+
+@dataclass
 class Report:
     """What `graphopt.optimize` did to a model, pass by pass."""
 
@@ -238,6 +260,7 @@ class Report:
     fusion: FusionReport | None = None  # optimize(fuse=...): what the fusion backend compiled
     tune: TuneReport | None = None  # optimize(tune=True): every candidate measured, and the winner
     engine: EngineReport | None = None  # optimize(engine=...) other than PyTorch: the engine that runs the graph
+    generation: GenerationReport | None = None  # a causal language model with its cache: its generate()
     # graph diffs, kept out of to_dict(): per pass (report.diffs[pass_name]), and the
     # captured graph's nodes that graphopt.diff(optimized) compares the result with
     diffs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -326,6 +349,8 @@ class Report:
             )
         if fields.get("engine") is not None:
             fields["engine"] = EngineReport(**fields["engine"])
+        if fields.get("generation") is not None:
+            fields["generation"] = GenerationReport(**fields["generation"])
         return cls(**fields)
 
     def to_json(self, indent: int = 2) -> str:
@@ -380,6 +405,8 @@ class Report:
             lines += self.fusion.lines()
         if self.engine is not None:
             lines += self.engine.lines()
+        if self.generation is not None:
+            lines += self.generation.lines()
         if self.tune is not None:
             lines += self.tune.lines()
         return "\n".join(lines)

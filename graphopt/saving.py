@@ -81,6 +81,11 @@ def _check_module(module: Any, what: str) -> InputSignature:
         )
     if module.input_signature is None:
         raise SaveError(f"{what} needs the calls the module accepts, and this module has no input signature: optimize the model again")
+    if module.generator is not None:
+        raise SaveError(
+            f"{what} cannot write a language model's generate() yet (its prefill and decode graphs): optimize the model again in "
+            "the process that generates, or, for its forward alone, save a module optimized with model.config.use_cache = False"
+        )
     if int8_modules(module.graph_module):
         raise SaveError(
             f"{what} cannot write int8 modules yet ({', '.join(int8_modules(module.graph_module)[:3])} run oneDNN's int8 kernels, which "

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt.checkpoint import StateChange, key_map, to_optimized, to_original
-from graphopt.errors import CheckpointError, InputMismatchError, ModeSwitchError
+from graphopt.errors import CheckpointError, InputMismatchError, InvalidOptionError, ModeSwitchError
 from graphopt.inputs import InputSignature
 from graphopt.ops import get_attr, writes_in_place
 from graphopt.report import Report
@@ -113,6 +113,7 @@ class OptimizedModule(nn.Module):
         self.inference_mode = report.mode == "inference" and not updates_state(graph_module)
         self.original_keys = tuple(original_keys)  # the original model's state_dict keys, in its order
         self.input_signature = signature  # the calls the graph accepts (None: not checked)
+        self.generator: Any = None  # a causal language model's generate() (graphopt.generation.Generator), else None
 
     @property
     def graph(self) -> fx.Graph:
@@ -145,6 +146,16 @@ class OptimizedModule(nn.Module):
                 f"this call is outside the sizes the captured graph allows ({str(error).removeprefix('Guard failed: ')}): torch.export "
                 "found that the model's code limits them (e.g. a maximum sequence length). Call it with sizes in that range."
             ) from error
+
+    def generate(self, input_ids: Any = None, attention_mask: Any = None, **options: Any) -> Any:
+        """Token ids, prompt included, as the original model's ``generate()`` returns them: for a causal language model
+        optimized with its key/value cache on (see `graphopt.generation`, whose ``OPTIONS`` lists what it takes)."""
+        if self.generator is None:
+            raise InvalidOptionError(
+                "generate() is for a causal language model optimized with its key/value cache on (config.use_cache = True); "
+                "this module computes its model's forward: call it instead"
+            )
+        return self.generator.generate(input_ids, attention_mask, **options)
 
     def train(self, mode: bool = True) -> OptimizedModule:
         self.check_mode_switch(mode)
@@ -297,6 +308,11 @@ class OptimizedModule(nn.Module):
             raise ModeSwitchError(
                 f"{call}: this module runs on engine={engine.name!r}, which compiled its own copy of the weights and runs on the "
                 "CPU: the change would not reach it. Load the weights into the original model and optimize it again."
+            )
+        if self.generator is not None:
+            raise ModeSwitchError(
+                f"{call}: this module's generate() runs graphs with their own copy of the weights: the change would not reach "
+                "them. Load the weights into the original model (or move it) and optimize it again."
             )
 
     def original_state_dict(self) -> dict[str, torch.Tensor]:

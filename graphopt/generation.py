@@ -1,0 +1,448 @@
+"""Language models: ``OptimizedModule.generate()`` with the key/value cache, on graphs captured by torch.export.
+
+A causal language model (a transformers ``GenerationMixin`` whose ``config.use_cache`` is on) is
+captured as two graphs (`capture_steps`):
+
+- prefill: the prompt (``input_ids``, ``attention_mask``, ``position_ids``, any length) -> the last
+  position's logits and each layer's keys and values;
+- decode: one token, the mask and position so far and the cache -> the logits and the cache one
+  token longer.
+
+The cache is explicit: tensors in, tensors out, so any runtime that runs a graph can run it.
+`Generator.generate` runs transformers' own loop on them: the same logits processors
+(``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``), the same sampling
+(``torch.multinomial`` on the global generator: ``torch.manual_seed`` gives the original's tokens),
+the same end of sequences (``eos_token_id``, ``pad_token_id``) and the same positions for
+left-padded batches. `verify_generation` checks the result against the original's own
+``generate()``: the greedy tokens, and each step's logits, on the example and on a second prompt
+length and batch size, left-padded.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from graphopt import verify as verify_outputs
+from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, VerificationError
+from graphopt.report import GenerationReport
+
+# the options of transformers' generate() that Generator.generate takes; num_beams only as 1 (greedy or sampling)
+OPTIONS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "num_beams")
+# generation_config fields that change what generate() computes, at the values that leave it unchanged
+_NEUTRAL = {
+    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_p": (None,), "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "top_h": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,), "encoder_repetition_penalty": (None, 1.0),
+    "renormalize_logits": (None, False), "guidance_scale": (None, 1.0), "num_return_sequences": (None, 1), "length_penalty": (None, 1.0),
+    "diversity_penalty": (None, 0.0), "num_beam_groups": (None, 1), "penalty_alpha": (None,), "watermarking_config": (None,),
+    "exponential_decay_length_penalty": (None,), "assistant_model": (None,), "prompt_lookup_num_tokens": (None,), "stop_strings": (None,),
+    "max_time": (None,), "low_memory": (None, False), "output_scores": (None, False), "output_logits": (None, False),
+    "return_dict_in_generate": (None, False),
+}  # fmt: skip
+# transformers' own defaults for what generate() reads when neither the call nor the model's generation_config sets it
+_DEFAULTS = {"max_length": 20, "min_length": 0, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1}
+MAX_BATCH = 1024  # the largest batch the graphs take
+VERIFY_NEW_TOKENS = 8  # greedy tokens compared with the original's generate() on each verification prompt
+
+
+def is_cached_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers causal language model that generates with its key/value cache."""
+    try:
+        from transformers import GenerationMixin
+    except ImportError:
+        return False
+    config = getattr(model, "config", None)
+    return isinstance(model, GenerationMixin) and bool(getattr(config, "use_cache", False)) and not getattr(config, "is_encoder_decoder", False)
+
+
+def check_model(model: nn.Module, training: bool) -> None:
+    """Refuse what generation with graphopt cannot do: training, and a cache other than one key and value tensor per layer."""
+    if training:
+        raise InvalidOptionError(
+            f"{type(model).__name__} generates with its key/value cache, which is for inference: call model.eval() "
+            "(or pass mode='inference'); to optimize a training step, set model.config.use_cache = False first"
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if getattr(config, "sliding_window", None) is not None and (not layer_types or layer_types - {"full_attention"}):
+        raise InvalidModelError(
+            f"{type(model).__name__} uses sliding-window attention (sliding_window={config.sliding_window}): its cache keeps a window "
+            "of the last tokens, which graphopt's captured cache cannot express. Set model.config.use_cache = False to optimize "
+            "its forward (scoring, no generation), or generate with transformers"
+        )
+
+
+class _Prefill(nn.Module):
+    """The prompt -> the last position's logits, each layer's keys and values."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        from transformers import DynamicCache
+
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True
+        )
+        return (out.logits[:, -1, :], *_cache_tensors(out.past_key_values))
+
+
+class _Decode(nn.Module):
+    """One token, the mask and positions so far, the cache -> its logits and the cache one token longer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for layer, (key, value) in enumerate(zip(keys, values, strict=True)):
+            cache.update(key, value, layer)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        return (out.logits[:, -1, :], *_cache_tensors(out.past_key_values))
+
+
+def _cache_tensors(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(not hasattr(layer, "keys") for layer in layers):
+        raise InvalidModelError(
+            f"the model's cache is a {type(cache).__name__} without one key and one value tensor per layer: graphopt cannot capture it. "
+            "Set model.config.use_cache = False to optimize its forward (scoring, no generation), or generate with transformers"
+        )
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position, counting only the tokens the mask keeps (transformers' rule for left-padded batches)."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+
+
+@dataclass
+class Steps:
+    """The two graphs of a cached language model, runnable modules from torch.export."""
+
+    prefill: nn.Module
+    decode: nn.Module
+    max_length: int  # prompt + new tokens: the model's position limit
+
+
+def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Steps:
+    """Export the prefill and decode graphs of ``model`` (a copy graphopt owns), with the batch size, the prompt length
+    and the cache length dynamic; `CaptureError` where torch.export cannot."""
+    ids, mask = _at_least_two(input_ids, attention_mask)
+    ids, mask = ids.repeat(2, 1)[: max(2, len(ids))], mask.repeat(2, 1)[: max(2, len(mask))]  # batch 2: not specialised to 1
+    position_ids = positions(mask)
+    max_length = _max_length(model)
+    batch, length, cached = torch.export.Dim("batch", min=1, max=MAX_BATCH), torch.export.Dim("prompt", min=1, max=max(max_length, 2)), torch.export.Dim.AUTO
+    try:
+        with torch.no_grad():
+            prefill = torch.export.export(_Prefill(model), (ids, mask, position_ids), dynamic_shapes=({0: batch, 1: length},) * 3, strict=False)
+            logits, keys, values = prefill.module()(ids, mask, position_ids)
+            token = logits.argmax(-1, keepdim=True)
+            grown = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            cache_dims = [{0: batch, 2: cached}] * len(keys)
+            decode = torch.export.export(
+                _Decode(model),
+                (token, grown, positions(grown)[:, -1:], keys, values),
+                dynamic_shapes=({0: batch}, {0: batch, 1: cached}, {0: batch}, cache_dims, cache_dims),
+                strict=False,
+            )
+    except InvalidModelError:
+        raise
+    except Exception as error:  # noqa: BLE001 - torch.export's errors are many; each becomes the same advice
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}'s generation step with its key/value cache "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}). "
+            "Set model.config.use_cache = False to optimize its forward (scoring, no generation), and please report the model"
+        ) from error
+    return Steps(prefill.module(), decode.module(), max_length)
+
+
+def _at_least_two(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt of one token, left-padded to two: the graphs' prompt and cache lengths start at two (torch.export
+    specialises sizes 0 and 1), and a masked pad changes no logit."""
+    if input_ids.shape[1] >= 2:
+        return input_ids, attention_mask
+    return torch.cat([input_ids[:, :1], input_ids], dim=1), torch.cat([torch.zeros_like(attention_mask[:, :1]), attention_mask], dim=1)
+
+
+def _max_length(model: nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(getattr(config, name, None), int):
+            return int(getattr(config, name))
+    return 8192
+
+
+class _State:
+    """One generation on the captured graphs: the mask so far, each layer's keys and values, the last logits."""
+
+    def __init__(self, steps: Steps, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.steps = steps
+        ids, self.mask = _at_least_two(ids, mask)
+        self.logits, self.keys, self.values = steps.prefill(ids, self.mask, positions(self.mask))
+
+    def advance(self, token: torch.Tensor) -> torch.Tensor:
+        """The logits after one more token per sequence (``token``: shaped (batch,)), the cache one token longer."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.logits, self.keys, self.values = self.steps.decode(token[:, None], self.mask, positions(self.mask)[:, -1:], self.keys, self.values)
+        return self.logits
+
+
+class Generator:
+    """``generate()`` on the captured prefill and decode graphs, with transformers' options and results."""
+
+    def __init__(self, steps: Steps, generation_config: Any, report: GenerationReport) -> None:
+        self.steps = steps
+        self.generation_config = copy.deepcopy(generation_config)
+        self.report = report
+
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
+        """The token ids, prompt included, as ``model.generate(input_ids, attention_mask, **options)`` returns them."""
+        config = self._config(options)
+        ids, mask = _check_prompt(input_ids, attention_mask)
+        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else max(config.max_length - ids.shape[1], 0)
+        if ids.shape[0] > MAX_BATCH:
+            raise InputMismatchError(f"a batch of {ids.shape[0]} prompts: generate() takes at most {MAX_BATCH} at once; split the batch")
+        if ids.shape[1] + new_tokens > self.steps.max_length:
+            raise InputMismatchError(
+                f"a prompt of {ids.shape[1]} tokens plus max_new_tokens={new_tokens} is {ids.shape[1] + new_tokens} positions, beyond the "
+                f"model's {self.steps.max_length}: shorten the prompt or ask for fewer new tokens"
+            )
+        eos = _token_list(config.eos_token_id)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+        processors = _processors(config, ids.shape[1], eos)
+        with torch.inference_mode():
+            return self._loop(ids, mask, new_tokens, config.do_sample, processors, eos, pad)
+
+    def _loop(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, sample: bool, processors: Any, eos: list[int], pad: int | None) -> torch.Tensor:
+        unfinished = torch.ones(ids.shape[0], dtype=torch.long)
+        state = _State(self.steps, ids, mask)
+        for step in range(new_tokens):
+            scores = processors(ids, state.logits.float())
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1) if sample else torch.argmax(scores, dim=-1)
+            if eos:
+                token = token * unfinished + pad * (1 - unfinished)  # type: ignore[operator]
+            ids = torch.cat([ids, token[:, None]], dim=-1)
+            if eos:
+                unfinished = unfinished & ~torch.isin(token, torch.tensor(eos))
+            if step == new_tokens - 1 or (eos and unfinished.max() == 0):
+                break
+            state.advance(token)
+        return ids
+
+    def _config(self, options: dict[str, Any]) -> Any:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise InvalidOptionError(
+                f"generate() of an optimized model takes {', '.join(OPTIONS)}, not {', '.join(unknown)}: "
+                "generate with the original model for the others"
+            )
+        if options.get("num_beams", 1) != 1:
+            raise InvalidOptionError(f"num_beams={options['num_beams']!r}: beam search is not supported; use num_beams=1 (greedy or sampling)")
+        config = copy.deepcopy(self.generation_config)
+        config.update(**options)
+        # what transformers' generate() takes where neither the options nor the model's generation_config say (top_k=50)
+        defaults = {**_DEFAULTS, **getattr(config, "_get_default_generation_params", dict)()}
+        for name, value in defaults.items():
+            if getattr(config, name, None) is None:
+                setattr(config, name, value)
+        changed = [name for name, neutral in _NEUTRAL.items() if getattr(config, name, None) not in neutral]
+        if changed or (config.num_beams or 1) != 1:
+            raise InvalidOptionError(
+                f"the model's generation_config sets {', '.join(changed or ['num_beams'])}, which generate() of an optimized model does not "
+                "apply: reset it on model.generation_config before optimize, or generate with the original model"
+            )
+        return config
+
+
+def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point() and input_ids.shape[1] > 0):
+        raise InvalidInputsError("generate() takes input_ids, a tensor of token ids shaped (batch, prompt length), at least one token")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape):
+        raise InvalidInputsError(f"attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}")
+    if (attention_mask[:, -1] == 0).any():
+        raise InvalidInputsError("attention_mask ends in a 0: pad prompts on the left (tokenizer.padding_side = 'left') for generation")
+    return input_ids.long(), attention_mask.long()
+
+
+def _token_list(tokens: Any) -> list[int]:
+    if tokens is None:
+        return []
+    if isinstance(tokens, torch.Tensor):
+        return [int(t) for t in tokens.flatten()]
+    return [int(tokens)] if isinstance(tokens, int) else [int(t) for t in tokens]
+
+
+def _processors(config: Any, prompt_length: int, eos: list[int]) -> Any:
+    """transformers' logits processors for ``config``, in the order its generate() applies them."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinLengthLogitsProcessor,
+        MinNewTokensLengthLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    processors = LogitsProcessorList()
+    if eos and config.min_length:
+        processors.append(MinLengthLogitsProcessor(config.min_length, torch.tensor(eos)))
+    if eos and config.min_new_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, torch.tensor(eos)))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def second_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocabulary: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Another batch size and prompt length than the example's, left-padded: one row more, three tokens longer, the first
+    row's first three tokens padding."""
+    generator = torch.Generator().manual_seed(0)
+    batch, length = input_ids.shape[0] + 1, input_ids.shape[1] + 3
+    ids = torch.randint(0, vocabulary, (batch, length), generator=generator, dtype=input_ids.dtype)
+    ids[: input_ids.shape[0], 3:] = input_ids
+    mask = torch.ones_like(ids)
+    mask[: attention_mask.shape[0], 3:] = attention_mask
+    mask[0, :3] = 0
+    return ids, mask
+
+
+def verify_generation(original: nn.Module, generator: Generator, prompts: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Greedy generation against the original's ``generate()`` on each prompt (both with ``generator``'s generation_config,
+    which ``original`` must hold too): the same tokens, and each step's logits
+    (given the same tokens before it) within the fp32 tolerance, else `VerificationError`; returns each prompt's largest
+    logit error relative to the logits' scale."""
+    pad = generator.generation_config.pad_token_id
+    if pad is None and _token_list(generator.generation_config.eos_token_id):
+        pad = _token_list(generator.generation_config.eos_token_id)[0]  # what transformers would choose, without its warning
+    greedy = {"max_new_tokens": VERIFY_NEW_TOKENS, "do_sample": False, **({"pad_token_id": pad} if pad is not None else {})}
+    errors = []
+    for description, ids, mask in prompts:
+        with torch.inference_mode():
+            expected = original.generate(input_ids=ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **greedy)
+        actual = generator.generate(ids, mask, **greedy)
+        if not torch.equal(actual, expected.sequences):
+            raise VerificationError(
+                f"generation gives other tokens than the original model's generate() on {description}: "
+                f"{actual[:, ids.shape[1]:].tolist()} instead of {expected.sequences[:, ids.shape[1]:].tolist()}. Your model is unchanged; please report it.",
+                reason=f"tokens differ on {description}",
+            )
+        worst = 0.0
+        for step, (want, got) in enumerate(zip(expected.logits, _logits_along(generator, ids, mask, expected.sequences), strict=True)):
+            comparison = verify_outputs.compare(want.float(), got.float(), None, verify_outputs.tolerance_for(torch.float32))
+            if not comparison.ok:
+                raise VerificationError(
+                    f"generation computes the logits of step {step + 1} differently from the original model on {description} by "
+                    f"{comparison.max_error:.3e} relative to their scale: {comparison.detail}. Your model is unchanged; please report it.",
+                    max_error=comparison.max_error,
+                    reason=f"step {step + 1} logits differ on {description}",
+                )
+            worst = max(worst, comparison.max_error)
+        errors.append(worst)
+    return errors
+
+
+def _logits_along(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor) -> list[torch.Tensor]:
+    """Each step's raw logits from the captured graphs, fed the tokens of ``sequences`` (the original's) after the prompt."""
+    with torch.inference_mode():
+        state = _State(generator.steps, ids, mask)
+        return [state.logits, *(state.advance(token) for token in sequences[:, ids.shape[1] : -1].T)]
+
+
+def timed_steps(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """The prefill's seconds and the median seconds of a decode step, on the example prompt (for the report)."""
+    with torch.inference_mode():
+        started = time.perf_counter()
+        state = _State(generator.steps, ids, mask)
+        prefill, decode = time.perf_counter() - started, []
+        for _ in range(new_tokens):
+            started = time.perf_counter()
+            state.advance(state.logits.argmax(-1))
+            decode.append(time.perf_counter() - started)
+    return prefill, sorted(decode)[len(decode) // 2]
+
+
+def cache_bytes_per_token(model: nn.Module, input_ids: torch.Tensor) -> int:
+    """The key/value cache's bytes for one token of one sequence: 2 x layers x key/value heads x head size x element size."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    element = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * element
+
+
+def _neutral(generation_config: Any) -> Any:
+    """A copy of ``generation_config`` without the settings generate() does not apply (each at its neutral value)."""
+    neutral = copy.deepcopy(generation_config)
+    for name, values in _NEUTRAL.items():
+        if hasattr(neutral, name) and getattr(neutral, name) not in values:
+            setattr(neutral, name, values[0])
+    return neutral
+
+
+def without_cache(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose forward returns no cache (``config.use_cache = False``): the graph its calls run."""
+    calls = copy.deepcopy(model)
+    calls.config.use_cache = False
+    return calls
+
+
+def prompt_of(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The example prompt: ``input_ids`` and ``attention_mask`` from a dict of them, or the ids alone (a tensor, or the
+    first of a tuple); `InvalidInputsError` otherwise."""
+    if isinstance(example_inputs, dict):
+        ids, mask = example_inputs.get("input_ids"), example_inputs.get("attention_mask")
+    elif isinstance(example_inputs, (tuple, list)) and example_inputs:
+        ids, mask = example_inputs[0], None
+    else:
+        ids, mask = example_inputs, None
+    if not isinstance(ids, torch.Tensor):
+        raise InvalidInputsError(
+            "a causal language model's example inputs are {'input_ids': ids, 'attention_mask': mask} (token ids shaped (batch, length)), "
+            "e.g. tokenizer(texts, return_tensors='pt', padding=True) with tokenizer.padding_side = 'left'"
+        )
+    return _check_prompt(ids, mask)
+
+
+def build(model: nn.Module, example_inputs: Any, owned: nn.Module) -> Generator:
+    """``generate()`` for ``model`` (the caller's, only read) on graphs captured from ``owned`` (graphopt's copy of it),
+    verified against the original's own ``generate()`` on the example prompt and on a second one (another batch size
+    and length, left-padded); its `GenerationReport` says how."""
+    ids, mask = prompt_of(example_inputs)
+    steps = capture_steps(owned, ids, mask)
+    report = GenerationReport("pytorch (torch.export graphs)", steps.max_length, cache_bytes_per_token(owned, ids))
+    generator = Generator(steps, owned.generation_config, report)
+    vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
+    prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]
+    fits = [prompt for prompt in prompts if prompt[1].shape[1] + VERIFY_NEW_TOKENS <= steps.max_length]
+    # verified greedy, without what the model's generation_config may add that generate() refuses (repetition_penalty)
+    original = copy.deepcopy(model).eval()
+    original.generation_config = _neutral(owned.generation_config)
+    errors = verify_generation(original, Generator(steps, original.generation_config, report), fits)
+    report.verified = [description for description, _, _ in fits]
+    report.max_error = max(errors, default=None)
+    report.prefill_seconds, report.token_seconds = timed_steps(generator, ids, mask, VERIFY_NEW_TOKENS)
+    return generator

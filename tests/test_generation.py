@@ -1,0 +1,212 @@
+"""Causal language models with their key/value cache: OptimizedModule.generate() gives the original's tokens, greedy
+and sampled, at other prompt lengths and left-padded batches; what it does not do is refused saying what to do.
+
+Tiny GPT-2 and Llama configs (random weights, two layers): each optimize takes seconds, built once per module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError
+from graphopt.report import Report
+from tests.conftest import model_state
+
+VOCABULARY, POSITIONS, EOS = 100, 128, 2
+
+
+def tiny(kind: str, **config: Any) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        settings = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCABULARY, n_positions=POSITIONS, bos_token_id=1, eos_token_id=EOS)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**settings, **config})).eval()
+    settings = dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128, vocab_size=VOCABULARY,
+        max_position_embeddings=POSITIONS, bos_token_id=1, eos_token_id=EOS,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, **config})).eval()
+
+
+def prompt(batch: int, length: int, padded: int = 0, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids avoiding EOS, the last row left-padded by ``padded`` tokens."""
+    ids = torch.randint(3, VOCABULARY, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[-1, :padded] = 0
+    return ids, mask
+
+
+def original_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, **options: Any) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=EOS, **options)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    model = tiny(request.param)
+    ids, mask = prompt(2, 6, padded=2)
+    return model, graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+
+
+@pytest.mark.parametrize("batch, length, padded", [(1, 5, 0), (1, 11, 0), (2, 7, 3), (3, 1, 0)])
+def test_greedy_tokens_equal_the_originals_at_other_lengths_and_left_padded_batches(optimized: Any, batch: int, length: int, padded: int) -> None:
+    model, fast = optimized
+    ids, mask = prompt(batch, length, padded, seed=length)
+    tokens = fast.generate(ids, mask, max_new_tokens=12)
+    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=12))
+    assert tokens.shape == (batch, length + 12)
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.8, "top_k": 20, "top_p": 0.9}, {}, {"top_k": 0, "temperature": 1.5}])
+def test_sampling_with_a_seed_gives_the_originals_tokens(optimized: Any, options: dict[str, Any]) -> None:
+    model, fast = optimized
+    ids, mask = prompt(2, 6, padded=1)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        tokens = fast.generate(ids, mask, max_new_tokens=10, do_sample=True, **options)
+        torch.manual_seed(seed)
+        assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=10, do_sample=True, **options))
+
+
+def test_eos_ends_a_sequence_and_min_new_tokens_holds_it_off_as_in_transformers(optimized: Any) -> None:
+    model, fast = optimized
+    ids, mask = prompt(2, 6, padded=2)
+    greedy = original_generate(model, ids, mask, max_new_tokens=12, eos_token_id=None)
+    eos = int(greedy[0, 6 + 3])  # the first row's fourth new token: it ends there, the other row may go on
+    for options in ({"eos_token_id": eos}, {"eos_token_id": eos, "min_new_tokens": 6}, {"eos_token_id": [eos, 7], "pad_token_id": 0}):
+        assert options["eos_token_id"] != EOS
+        with torch.inference_mode():  # no pad_token_id: transformers pads with the (first) eos token, as generate() must
+            expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **options)
+        assert torch.equal(fast.generate(ids, mask, max_new_tokens=12, **options), expected), options
+
+
+def test_calling_the_module_still_returns_the_models_logits_and_the_model_is_untouched() -> None:
+    model = tiny("llama")
+    before = model_state(model)
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    assert model.config.use_cache is True and model_state(model) == before
+    other_ids, other_mask = prompt(3, 9, padded=4)
+    with torch.inference_mode():
+        expected = model(input_ids=other_ids, attention_mask=other_mask, use_cache=False)
+    out = fast(input_ids=other_ids, attention_mask=other_mask)
+    assert type(out) is type(expected)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_the_report_says_how_generation_runs_and_was_verified(optimized: Any) -> None:
+    model, fast = optimized
+    report = fast.graphopt_report.generation
+    config = model.config
+    layers, heads = getattr(config, "n_layer", None) or config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.n_head
+    assert (report.max_length, report.cache_bytes_per_token) == (POSITIONS, 2 * layers * heads * 16 * 4)  # head size 64 / 4 heads, fp32
+    assert report.verified == ["the example prompt", "a second prompt (another batch size and length, left-padded)"]
+    assert report.max_error is not None and report.max_error < 1e-4
+    assert report.prefill_seconds > 0 and report.token_seconds > 0
+    text = str(fast.graphopt_report)
+    assert f"up to {POSITIONS} positions" in text and "ms per new token" in text and "greedy tokens equal to the original's" in text
+    assert Report.from_dict(fast.graphopt_report.to_dict()).generation == report
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda fast, ids, mask: fast.generate(ids, mask, num_beams=2), InvalidOptionError, r"num_beams=2: beam search is not supported; use num_beams=1"),
+        (lambda fast, ids, mask: fast.generate(ids, mask, repetition_penalty=1.3), InvalidOptionError, r"takes max_new_tokens, .* not repetition_penalty"),
+        (lambda fast, ids, mask: fast.generate(ids, mask, max_new_tokens=POSITIONS), InputMismatchError, r"plus max_new_tokens=128 is 134 positions, beyond the model's 128"),
+        (lambda fast, ids, mask: fast.generate(ids, torch.flip(mask, [1])), InvalidInputsError, r"ends in a 0: pad prompts on the left"),
+        (lambda fast, ids, mask: fast.generate(ids.float(), mask), InvalidInputsError, r"generate\(\) takes input_ids, a tensor of token ids"),
+    ],
+    ids=["beam search", "another option", "beyond the position limit", "right padding", "float ids"],
+)
+def test_what_generate_does_not_take_is_refused_saying_what_to_do(optimized: Any, call: Any, error: type[Exception], message: str) -> None:
+    _, fast = optimized
+    ids, mask = prompt(2, 6, padded=2)
+    with pytest.raises(error, match=message):
+        call(fast, ids, mask)
+
+
+def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
+    model = tiny("gpt2")
+    model.generation_config.repetition_penalty = 1.2
+    ids, mask = prompt(1, 6)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})  # verified greedy, which it also sets
+    with pytest.raises(InvalidOptionError, match=r"generation_config sets repetition_penalty, which generate\(\) of an optimized model does not apply"):
+        fast.generate(ids, mask)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' so far\)"),
+        ({"precision": "bf16"}, r"does not take precision='bf16' \(generation computes in fp32 so far\)"),
+        ({"tune": True}, r"does not take tune=True \(generation is not tuned yet\)"),
+        ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),
+    ],
+)
+def test_options_generation_does_not_take_yet_are_refused_before_anything_runs(options: dict[str, Any], message: str) -> None:
+    if options.get("engine") == "onnxruntime":
+        pytest.importorskip("onnxruntime")  # installed by make test
+    ids, mask = prompt(1, 6)
+    with pytest.raises(InvalidOptionError, match=message + r".*model.config.use_cache = False|" + message):
+        graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, **options)
+
+
+def test_a_sliding_window_cache_is_refused_with_the_fix() -> None:
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128, vocab_size=VOCABULARY,
+        max_position_embeddings=POSITIONS, sliding_window=16,
+    )  # fmt: skip
+    ids, mask = prompt(1, 6)
+    with pytest.raises(InvalidModelError, match=r"MistralForCausalLM uses sliding-window attention \(sliding_window=16\).*Set model.config.use_cache = False"):
+        graphopt.optimize(transformers.MistralForCausalLM(config).eval(), {"input_ids": ids, "attention_mask": mask})
+
+
+def test_example_inputs_without_token_ids_are_refused_with_the_form_to_use() -> None:
+    with pytest.raises(InvalidInputsError, match=r"a causal language model's example inputs are \{'input_ids': ids, 'attention_mask': mask\}"):
+        graphopt.generation.prompt_of({"inputs_embeds": torch.randn(1, 4, 64)})
+
+
+def test_a_model_without_its_cache_keeps_todays_behaviour_and_has_no_generate() -> None:
+    model = tiny("gpt2", use_cache=False)
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    assert fast.graphopt_report.generation is None and "generation:" not in str(fast.graphopt_report)
+    with pytest.raises(InvalidOptionError, match=r"generate\(\) is for a causal language model optimized with its key/value cache on"):
+        fast.generate(ids, mask)
+
+
+def test_a_capture_that_fails_becomes_a_capture_error_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Could not guard on data-dependent expression")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    model = tiny("gpt2")
+    ids, mask = prompt(1, 6)
+    with pytest.raises(CaptureError, match=r"could not capture GPT2LMHeadModel's generation step .*Set model.config.use_cache = False"):
+        graphopt.generation.capture_steps(model, ids, mask)
+
+
+def test_saving_a_module_with_generate_is_refused_saying_what_to_do(optimized: Any, tmp_path: Any) -> None:
+    _, fast = optimized
+    with pytest.raises(SaveError, match=r"cannot write a language model's generate\(\) yet .*model.config.use_cache = False"):
+        graphopt.save(fast, tmp_path / "lm.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_new_weights_or_another_device_are_refused_where_generate_would_not_see_them(optimized: Any) -> None:
+    model, fast = optimized
+    with pytest.raises(ModeSwitchError, match=r"this module's generate\(\) runs graphs with their own copy of the weights"):
+        fast.load_state_dict(fast.state_dict())
+    with pytest.raises(ModeSwitchError, match=r"\.to\(meta\): this module's generate\(\)"):
+        fast.to("meta")
