@@ -19,7 +19,6 @@ exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -196,10 +195,16 @@ def run_stages(model: nn.Module, example_inputs: Any, options: Options, shared: 
 
 def _with_generation(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
     """A causal language model with its cache on: its calls through the stages on a copy whose cache is off, and
-    ``generate()`` on the prefill and decode graphs of another copy (`graphopt.generation`), verified."""
-    optimized = run_stages(generation.without_cache(model), example_inputs, dataclasses.replace(options, generation=False), shared)
-    optimized.generator = generation.build(model, example_inputs, prepare(model, example_inputs, options).owned)
+    ``generate()`` on the prefill and decode graphs of another copy (`graphopt.generation`) on ``options``' engine,
+    verified. The calls run graphopt's PyTorch graph whatever the engine (the report says so)."""
+    without_cache = generation.without_cache(model)
+    given = {**_DEFAULTS, **options.shared_by_candidates(), **options.fixed_by_caller(), "engine": DEFAULT_ENGINE}
+    optimized = run_stages(without_cache, example_inputs, check_options(without_cache, example_inputs, **given)[2], shared)
+    owned = prepare(model, example_inputs, options).owned
+    optimized.generator = generation.build(model, example_inputs, owned, options.info.name, options.precision)
     optimized.graphopt_report.generation = optimized.generator.report
+    if not options.info.own_passes:
+        optimized.graphopt_report.notes.append(f"engine={options.info.name!r} runs generate(); calls of the module run graphopt's PyTorch graph")
     return optimized
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from graphopt import verify as verify_outputs
 from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, VerificationError
@@ -48,6 +49,7 @@ _NEUTRAL = {
 }  # fmt: skip
 # transformers' own defaults for what generate() reads when neither the call nor the model's generation_config sets it
 _DEFAULTS = {"max_length": 20, "min_length": 0, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1}
+ENGINES = ("pytorch", "openvino")  # the engines generation runs on so far
 MAX_BATCH = 1024  # the largest batch the graphs take
 VERIFY_NEW_TOKENS = 8  # greedy tokens compared with the original's generate() on each verification prompt
 
@@ -87,11 +89,10 @@ class _Prefill(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        from transformers import DynamicCache
-
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True
-        )
+        layers, heads, size = _cache_shape(self.model)
+        empty = torch.zeros((input_ids.shape[0], heads, 0, size), dtype=next(self.model.parameters()).dtype)
+        cache = _filled_cache(self.model, [empty] * layers, [empty] * layers)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
         return (out.logits[:, -1, :], *_cache_tensors(out.past_key_values))
 
 
@@ -105,13 +106,30 @@ class _Decode(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        for layer, (key, value) in enumerate(zip(keys, values, strict=True)):
-            cache.update(key, value, layer)
+        cache = _filled_cache(self.model, keys, values)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
         return (out.logits[:, -1, :], *_cache_tensors(out.past_key_values))
+
+
+def _filled_cache(model: nn.Module, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Any:
+    """A transformers ``DynamicCache`` holding ``keys`` and ``values`` per layer, set directly: its ``update()`` would
+    concatenate them to an empty 1-D tensor, which OpenVINO's conversion refuses."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer, key, value in zip(cache.layers, keys, values, strict=True):
+        layer.lazy_initialization(key, value)
+        layer.keys, layer.values = key, value
+    return cache
+
+
+def _cache_shape(model: nn.Module) -> tuple[int, int, int]:
+    """The layers, key/value heads and head size of ``model``'s cache, from its config."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    return layers, getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None) or hidden // heads
 
 
 def _cache_tensors(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -131,11 +149,24 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Steps:
-    """The two graphs of a cached language model, runnable modules from torch.export."""
+    """The two graphs of a cached language model: what runs them (torch.export's modules, or an engine's runners),
+    and the programs they came from."""
 
-    prefill: nn.Module
-    decode: nn.Module
+    prefill: Callable[..., Any]
+    decode: Callable[..., Any]
     max_length: int  # prompt + new tokens: the model's position limit
+    programs: tuple[torch.export.ExportedProgram, torch.export.ExportedProgram]
+    outputs: Any  # the steps' output structure (logits, keys, values) as a pytree spec
+
+
+def on_engine(steps: Steps, engine: str, precision: str) -> Steps:
+    """``steps`` run by ``engine`` (OpenVINO: each program converted and compiled for its dynamic shapes)."""
+    if engine == "pytorch":
+        return steps
+    from graphopt.backends import openvino_engine
+
+    prefill, decode = (openvino_engine.program_runner(program, precision, steps.outputs) for program in steps.programs)
+    return Steps(prefill, decode, steps.max_length, steps.programs, steps.outputs)
 
 
 def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Steps:
@@ -167,7 +198,8 @@ def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             f"({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}). "
             "Set model.config.use_cache = False to optimize its forward (scoring, no generation), and please report the model"
         ) from error
-    return Steps(prefill.module(), decode.module(), max_length)
+    outputs = pytree.tree_flatten((logits, keys, values))[1]
+    return Steps(prefill.module(), decode.module(), max_length, (prefill, decode), outputs)
 
 
 def _at_least_two(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,16 +414,10 @@ def timed_steps(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, new
     return prefill, sorted(decode)[len(decode) // 2]
 
 
-def cache_bytes_per_token(model: nn.Module, input_ids: torch.Tensor) -> int:
+def cache_bytes_per_token(model: nn.Module) -> int:
     """The key/value cache's bytes for one token of one sequence: 2 x layers x key/value heads x head size x element size."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    element = next(model.parameters()).element_size()
-    return 2 * layers * kv_heads * head_dim * element
+    layers, heads, size = _cache_shape(model)
+    return 2 * layers * heads * size * next(model.parameters()).element_size()
 
 
 def _neutral(generation_config: Any) -> Any:
@@ -427,13 +453,18 @@ def prompt_of(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return _check_prompt(ids, mask)
 
 
-def build(model: nn.Module, example_inputs: Any, owned: nn.Module) -> Generator:
+def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: str = "pytorch", precision: str = "fp32") -> Generator:
     """``generate()`` for ``model`` (the caller's, only read) on graphs captured from ``owned`` (graphopt's copy of it),
     verified against the original's own ``generate()`` on the example prompt and on a second one (another batch size
     and length, left-padded); its `GenerationReport` says how."""
     ids, mask = prompt_of(example_inputs)
-    steps = capture_steps(owned, ids, mask)
-    report = GenerationReport("pytorch (torch.export graphs)", steps.max_length, cache_bytes_per_token(owned, ids))
+    if engine != "pytorch":
+        # transformers' SDPA attention, converted, gives NaN for a left-padded row's fully masked positions (OpenVINO
+        # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead
+        owned.set_attn_implementation("eager")
+    steps = on_engine(capture_steps(owned, ids, mask), engine, precision)
+    name = "pytorch (torch.export graphs)" if engine == "pytorch" else f"{engine} ({precision})"
+    report = GenerationReport(name, steps.max_length, cache_bytes_per_token(owned))
     generator = Generator(steps, owned.generation_config, report)
     vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
     prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]

@@ -50,11 +50,18 @@ def original_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, *
         return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=EOS, **options)
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=[("gpt2", "pytorch"), ("llama", "pytorch"), ("gpt2", "openvino"), ("llama", "openvino")], ids="-".join)
 def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
-    model = tiny(request.param)
+    kind, engine = request.param
+    if engine == "openvino":
+        pytest.importorskip("openvino")  # installed by make test
+    model = tiny(kind)
     ids, mask = prompt(2, 6, padded=2)
-    return model, graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
+    assert fast.graphopt_report.generation.engine.startswith(engine)
+    calls_elsewhere = "engine='openvino' runs generate(); calls of the module run graphopt's PyTorch graph"
+    assert (calls_elsewhere in fast.graphopt_report.notes) == (engine == "openvino") and fast.graphopt_report.engine is None
+    return model, fast
 
 
 @pytest.mark.parametrize("batch, length, padded", [(1, 5, 0), (1, 11, 0), (2, 7, 3), (3, 1, 0)])
@@ -147,7 +154,7 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' so far\)"),
+        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' or 'openvino' so far\)"),
         ({"precision": "bf16"}, r"does not take precision='bf16' \(generation computes in fp32 so far\)"),
         ({"tune": True}, r"does not take tune=True \(generation is not tuned yet\)"),
         ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),

@@ -90,16 +90,19 @@ class OpenVINORunner(EngineRunner):
 
     engine = "openvino"
 
-    def __init__(self, model: Any, precision: str, outputs: pytree.TreeSpec, example_shapes: Sequence[Sequence[int]]) -> None:
+    def __init__(self, model: Any, precision: str, outputs: pytree.TreeSpec, example_shapes: Sequence[Sequence[int]] | None) -> None:
         super().__init__()
         self.model = model  # the openvino.Model with its dynamic dimensions, kept for save and other sizes
         self.precision = precision
         self.outputs = outputs
-        self.example_shapes = tuple(tuple(shape) for shape in example_shapes)
-        static = model.clone()
-        static.reshape({static.input(index): list(shape) for index, shape in enumerate(self.example_shapes)})
-        self.example_compiled = core().compile_model(static, "CPU", _config(precision))
         self.other_sizes_compiled = core().compile_model(model, "CPU", _config(precision))
+        # None: shapes change with every call (a generation step): the dynamic model only, the weights once in memory
+        self.example_shapes = None if example_shapes is None else tuple(tuple(shape) for shape in example_shapes)
+        self.example_compiled = self.other_sizes_compiled
+        if self.example_shapes is not None:
+            static = model.clone()
+            static.reshape({static.input(index): list(shape) for index, shape in enumerate(self.example_shapes)})
+            self.example_compiled = core().compile_model(static, "CPU", _config(precision))
         self.requests = threading.local()  # per thread: compiled model -> its infer request
         self.infer_request(self.example_compiled)  # the building thread's, made now: the first call is as fast as the next
 
@@ -210,6 +213,16 @@ def _ops_by_layer(model: Any, layers: list[Int8Layer]) -> dict[str, str]:
 
 def _orientations(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (weight, weight.t().contiguous()) if weight.dim() == 2 else (weight,)
+
+
+def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> OpenVINORunner:
+    """A torch.export program whose shapes change with every call (a language model's prefill or decode step, its cache
+    as inputs and outputs), converted and compiled for its dynamic shapes; `EngineError` where OpenVINO cannot."""
+    _check_precision(precision)
+    try:
+        return OpenVINORunner(_convert(program), precision, outputs, example_shapes=None)
+    except Exception as error:  # OpenVINO's own conversion or compilation error, quoted
+        raise EngineError(f"engine='openvino' could not convert or compile the generation step ({error_summary(error)})") from error
 
 
 def _convert(program: torch.export.ExportedProgram) -> Any:
