@@ -6,6 +6,8 @@ Tiny GPT-2 and Llama configs (random weights, two layers): each optimize takes s
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import os
 from typing import Any
 
@@ -217,3 +219,14 @@ def test_new_weights_or_another_device_are_refused_where_generate_would_not_see_
         fast.load_state_dict(fast.state_dict())
     with pytest.raises(ModeSwitchError, match=r"\.to\(meta\): this module's generate\(\)"):
         fast.to("meta")
+
+
+def test_threads_and_a_deep_copy_generate_the_originals_tokens(optimized: Any) -> None:
+    """A server's threads share one optimized model: each generate() keeps its own cache (and OpenVINO request)."""
+    model, fast = optimized
+    copied = copy.deepcopy(fast)
+    prompts = [prompt(1 + index % 2, 4 + index, padded=index % 2, seed=index) for index in range(6)]
+    expected = [original_generate(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
+    assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
