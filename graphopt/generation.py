@@ -255,7 +255,10 @@ class Generator:
             )
         eos = _token_list(config.eos_token_id)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-        processors = _processors(config, ids.shape[1], eos)
+        try:
+            processors = _processors(config, ids.shape[1], eos)
+        except ValueError as error:  # transformers' own check of a value (top_p=1.5), in graphopt's error
+            raise InvalidOptionError(f"generate(): {error}") from error
         with torch.inference_mode():
             return self._loop(ids, mask, new_tokens, config.do_sample, processors, eos, pad)
 

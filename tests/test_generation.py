@@ -134,8 +134,9 @@ def test_the_report_says_how_generation_runs_and_was_verified(optimized: Any) ->
         (lambda fast, ids, mask: fast.generate(ids, mask, max_new_tokens=POSITIONS), InputMismatchError, r"plus max_new_tokens=128 is 134 positions, beyond the model's 128"),
         (lambda fast, ids, mask: fast.generate(ids, torch.flip(mask, [1])), InvalidInputsError, r"ends in a 0: pad prompts on the left"),
         (lambda fast, ids, mask: fast.generate(ids.float(), mask), InvalidInputsError, r"generate\(\) takes input_ids, a tensor of token ids"),
+        (lambda fast, ids, mask: fast.generate(ids, mask, do_sample=True, top_p=-0.5), InvalidOptionError, r"generate\(\): .*top_p"),
     ],
-    ids=["beam search", "another option", "beyond the position limit", "right padding", "float ids"],
+    ids=["beam search", "another option", "beyond the position limit", "right padding", "float ids", "a value out of range"],
 )
 def test_what_generate_does_not_take_is_refused_saying_what_to_do(optimized: Any, call: Any, error: type[Exception], message: str) -> None:
     _, fast = optimized
