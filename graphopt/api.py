@@ -197,14 +197,44 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
     """A causal language model with its cache on: its calls through the stages on a copy whose cache is off, and
     ``generate()`` on the prefill and decode graphs of another copy (`graphopt.generation`) on ``options``' engine,
     verified. The calls run graphopt's PyTorch graph whatever the engine (the report says so)."""
+    optimized = _calls_without_cache(model, example_inputs, options, shared)
+    return _with_generator(optimized, generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, options.info.name, options.precision))
+
+
+def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
+    """A causal language model's calls, optimized on a copy whose cache is off, on graphopt's PyTorch graph."""
     without_cache = generation.without_cache(model)
-    given = {**_DEFAULTS, **options.shared_by_candidates(), **options.fixed_by_caller(), "engine": DEFAULT_ENGINE}
-    optimized = run_stages(without_cache, example_inputs, check_options(without_cache, example_inputs, **given)[2], shared)
-    owned = prepare(model, example_inputs, options).owned
-    optimized.generator = generation.build(model, example_inputs, owned, options.info.name, options.precision)
-    optimized.graphopt_report.generation = optimized.generator.report
-    if not options.info.own_passes:
-        optimized.graphopt_report.notes.append(f"engine={options.info.name!r} runs generate(); calls of the module run graphopt's PyTorch graph")
+    given = {**_DEFAULTS, **options.shared_by_candidates(), **options.fixed_by_caller(), "engine": DEFAULT_ENGINE, "tune": False}
+    return run_stages(without_cache, example_inputs, check_options(without_cache, example_inputs, **given)[2], shared)
+
+
+def _with_generator(optimized: OptimizedModule, generator: generation.Generator) -> OptimizedModule:
+    """``optimized`` with ``generator`` as its generate(), in its report too."""
+    optimized.generator = generator
+    optimized.graphopt_report.generation = generator.report
+    if generator.report.engine != DEFAULT_ENGINE:
+        optimized.graphopt_report.notes.append(f"engine={generator.report.engine!r} runs generate(); calls of the module run graphopt's PyTorch graph")
+    return optimized
+
+
+def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -> OptimizedModule:
+    """``tune=True`` for a causal language model: its calls on graphopt's PyTorch graph, and generate() on the engine
+    that generates fastest (`tuning.tune_generation`), each candidate verified."""
+    optimized = _calls_without_cache(model, example_inputs, options, None)
+    ids, mask = generation.prompt_of(example_inputs)
+    fixed = "engine" in options.fixed_by_caller()
+    engines = [options.info] if fixed else [ENGINES[name] for name in generation.ENGINES if name in ENGINES]
+
+    def build(engine: str) -> generation.Generator:
+        return generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, engine, "fp32")
+
+    def generate(generator: generation.Generator) -> Any:
+        return generator.generate(ids, mask, max_new_tokens=tuning.TUNE_NEW_TOKENS, min_new_tokens=tuning.TUNE_NEW_TOKENS)
+
+    assert options.tune_accuracy is not None
+    generator, report = tuning.tune_generation(build, engines, generate, options.tune_accuracy, options.tune_budget_s)
+    optimized = _with_generator(optimized, generator)
+    optimized.graphopt_report.tune = report
     return optimized
 
 
@@ -247,6 +277,8 @@ def _float_instead_of_int8(model: nn.Module, example_inputs: Any, options: Optio
 
 def _tuned(model: nn.Module, example_inputs: Any, options: Options) -> OptimizedModule:
     """``optimize(tune=True)``: the fastest accurate candidate (see `graphopt.tuning`); with ``calibration``, int8 is one."""
+    if options.generation:
+        return _tuned_generation(model, example_inputs, options)
     low_precisions = [name for name in ("bf16", "fp16") if runs_on(name, model)]
     emulated = {name: reason for name in low_precisions if (reason := emulated_on_cpu(name, model))}
     args = copied_inputs(check_inputs(model, example_inputs))  # the candidates are timed on it, not on the caller's tensors

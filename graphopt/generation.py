@@ -466,8 +466,7 @@ def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: str =
         # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead
         owned.set_attn_implementation("eager")
     steps = on_engine(capture_steps(owned, ids, mask), engine, precision)
-    name = "pytorch (torch.export graphs)" if engine == "pytorch" else f"{engine} ({precision})"
-    report = GenerationReport(name, steps.max_length, cache_bytes_per_token(owned))
+    report = GenerationReport(engine, precision, steps.max_length, cache_bytes_per_token(owned))
     generator = Generator(steps, owned.generation_config, report)
     vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
     prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]

@@ -181,7 +181,7 @@ def check_options(
     resolved_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
     strict = _check_verify(verify)
     tune_accuracy = _check_tuning(accuracy, tune_budget_s, precision) if tune else None
-    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision, tune)
+    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision)
     options = Options(
         mode_given=mode, passes=passes, disable=disable, frontend=frontend, dynamic_shapes=resolved_shapes, verify=verify,
         memory_format=memory_format, keep_channels_last_outputs=keep_channels_last_outputs, precision=precision,
@@ -273,7 +273,7 @@ def _check_tuning(accuracy: float | None, budget_s: float, precision: str) -> fl
     return float(accuracy)
 
 
-def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str, tune: bool) -> bool:
+def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str) -> bool:
     """A causal language model with its cache on gets generate() (True); what generation does not do yet is refused."""
     check_generation_model(model, training=mode == "training")
     unsupported = [
@@ -281,7 +281,6 @@ def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision:
         for text, given in (
             (f"engine={info.name!r} (generation runs on engine='pytorch' or 'openvino' so far)", info.name not in GENERATION_ENGINES),
             (f"precision={precision!r} (generation computes in fp32 so far)", precision != "fp32"),
-            ("tune=True (generation is not tuned yet)", tune),
         )
         if given
     ]

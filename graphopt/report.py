@@ -222,7 +222,8 @@ class EngineReport:
 class GenerationReport:
     """A causal language model's ``generate()``: the graphs it runs, the cache, the times and how it was verified."""
 
-    engine: str
+    engine: str  # the engine that runs the prefill and decode graphs
+    precision: str
     max_length: int  # prompt + new tokens: the model's position limit
     cache_bytes_per_token: int  # the key/value cache of one token of one sequence
     prefill_seconds: float = 0.0  # the example prompt's prefill
@@ -234,7 +235,7 @@ class GenerationReport:
         verified = f"greedy tokens equal to the original's on {', '.join(self.verified)}" if self.verified else "not verified"
         error = "" if self.max_error is None else f", logits within {self.max_error:.1e}"
         return [
-            f"generation: {self.engine}, prefill and decode graphs with the key/value cache as tensors; up to {self.max_length} positions, "
+            f"generation: {self.engine} ({self.precision}), prefill and decode graphs with the key/value cache as tensors; up to {self.max_length} positions, "
             f"cache {self.cache_bytes_per_token} bytes per token per sequence",
             f"    prefill {self.prefill_seconds * 1e3:.2f} ms on the example prompt, {self.token_seconds * 1e3:.2f} ms per new token; {verified}{error}",
         ]

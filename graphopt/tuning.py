@@ -336,3 +336,46 @@ def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
         text += f"; next {ranking.runner_up} at {latencies[ranking.runner_up] * 1e3:.2f} ms"
     text += f"; timed {ranking.describe()}"
     return text + f"; {_error_text(error)} within accuracy {accuracy:.0e}"
+
+
+TUNE_NEW_TOKENS = 16  # each generation candidate is timed generating this many tokens from the example prompt
+
+
+def tune_generation(build: Callable[[str], Any], engines: Sequence[EngineInfo], generate: Callable[[Any], Any], accuracy: float, budget_s: float) -> tuple[Any, TuneReport]:
+    """The fastest of ``build(engine)`` (a verified `graphopt.generation.Generator`) over ``engines``, timed generating
+    `TUNE_NEW_TOKENS` tokens (``generate(generator)``: decode steps dominate), with the report of every candidate.
+    Generation computes in fp32 so far: every candidate is exact, whatever ``accuracy`` admits."""
+    rows, built, failures = [], {}, []
+    started = clock()
+    for info in engines:
+        row = TuneCandidate(f"{info.name} fp32 generate", {"engine": info.name})
+        rows.append(row)
+        missing = info.missing()
+        if missing is not None:
+            row.status, row.reason = "not built", missing
+            continue
+        building = clock()
+        try:
+            generator = build(info.name)
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
+            row.status, row.reason = "failed", error_summary(error)
+            failures.append(error)
+            continue
+        row.build_seconds, row.max_error = clock() - building, generator.report.max_error
+        built[row.name] = generator
+    if not built:
+        first = next((error for error in failures if isinstance(error, GraphoptError)), None)
+        if first is not None:
+            raise first
+        raise GraphoptError(f"tune=True built no generation candidate ({'; '.join(f'{row.name}: {row.reason}' for row in rows)})")
+    remaining = max(budget_s - (clock() - started), 0.0)
+    ranking = measure_latencies({name: (lambda generator=generator: generate(generator)) for name, generator in built.items()}, budget_s=remaining)
+    for row in rows:
+        if row.name in ranking.medians:
+            row.status, row.seconds = "measured", ranking.medians[row.name]
+    winner = ranking.winner
+    why = f"fastest of {len(built)} verified generation candidates, {TUNE_NEW_TOKENS} new tokens in {ranking.medians[winner] * 1e3:.1f} ms"
+    if ranking.runner_up is not None:
+        why += f"; next {ranking.runner_up} at {ranking.medians[ranking.runner_up] * 1e3:.1f} ms"
+    why += f"; timed {ranking.describe()}; fp32, the original's greedy tokens (low precisions are not candidates for generation yet)"
+    return built[winner], TuneReport(winner, why, rows, accuracy, cache="miss", seconds=clock() - started, ranking=ranking)

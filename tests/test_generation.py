@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
+from graphopt import timing, tuning
 from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError
 from graphopt.report import Report
 from tests.conftest import model_state
@@ -60,7 +61,7 @@ def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.Optim
     model = tiny(kind)
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
-    assert fast.graphopt_report.generation.engine.startswith(engine)
+    assert fast.graphopt_report.generation.engine == engine
     calls_elsewhere = "engine='openvino' runs generate(); calls of the module run graphopt's PyTorch graph"
     assert (calls_elsewhere in fast.graphopt_report.notes) == (engine == "openvino") and fast.graphopt_report.engine is None
     return model, fast
@@ -159,7 +160,6 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
     [
         ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' or 'openvino' so far\)"),
         ({"precision": "bf16"}, r"does not take precision='bf16' \(generation computes in fp32 so far\)"),
-        ({"tune": True}, r"does not take tune=True \(generation is not tuned yet\)"),
         ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),
     ],
 )
@@ -231,3 +231,29 @@ def test_threads_and_a_deep_copy_generate_the_originals_tokens(optimized: Any) -
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
     assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
+
+
+@pytest.mark.slow  # builds and verifies generation on both engines, twice
+def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("openvino")  # installed by make test
+    timed: list[list[str]] = []
+
+    def fake_timer(runs: dict[str, Any], budget_s: float) -> Any:
+        timed.append(sorted(runs))
+        for run in runs.values():
+            run()  # each candidate generates, as timing would
+        return timing.Ranking.of({name: [2e-3 if name.startswith("openvino") else 3e-3] * 5 for name in runs})
+
+    monkeypatch.setattr(tuning, "measure_latencies", fake_timer)
+    model = tiny("llama")
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True)
+    report = fast.graphopt_report
+    assert timed == [["openvino fp32 generate", "pytorch fp32 generate"]]
+    assert report.tune.winner == "openvino fp32 generate" and report.generation.engine == "openvino"
+    assert {row.name: row.status for row in report.tune.candidates} == {"pytorch fp32 generate": "measured", "openvino fp32 generate": "measured"}
+    assert "16 new tokens" in report.tune.why and "low precisions are not candidates for generation yet" in report.tune.why
+    other_ids, other_mask = prompt(3, 9, padded=4)
+    assert torch.equal(fast.generate(other_ids, other_mask, max_new_tokens=8), original_generate(model, other_ids, other_mask, max_new_tokens=8))
+    pinned = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True, engine="openvino")  # an option given is kept
+    assert [row.name for row in pinned.graphopt_report.tune.candidates] == ["openvino fp32 generate"]
