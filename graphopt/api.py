@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from graphopt import dynamic, generation, tuning
-from graphopt.backends import DEFAULT_ENGINE, ENGINES
+from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo
 from graphopt.capture import one_at_a_time
 from graphopt.device import device_types
 from graphopt.errors import InvalidOptionError, warn_at_caller
@@ -198,7 +198,7 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
     ``generate()`` on the prefill and decode graphs of another copy (`graphopt.generation`) on ``options``' engine,
     verified. The calls run graphopt's PyTorch graph whatever the engine (the report says so)."""
     optimized = _calls_without_cache(model, example_inputs, options, shared)
-    return _with_generator(optimized, generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, options.info.name, options.precision))
+    return _with_generator(optimized, generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, options.info, options.precision))
 
 
 def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
@@ -223,9 +223,9 @@ def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -
     optimized = _calls_without_cache(model, example_inputs, options, None)
     ids, mask = generation.prompt_of(example_inputs)
     fixed = "engine" in options.fixed_by_caller()
-    engines = [options.info] if fixed else [ENGINES[name] for name in generation.ENGINES if name in ENGINES]
+    engines = [options.info] if fixed else [info for info in ENGINES.values() if info.generates]
 
-    def build(engine: str) -> generation.Generator:
+    def build(engine: EngineInfo) -> generation.Generator:
         return generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, engine, "fp32")
 
     def generate(generator: generation.Generator) -> Any:

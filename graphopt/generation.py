@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from graphopt import verify as verify_outputs
+from graphopt.backends import EngineInfo
 from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, VerificationError
 from graphopt.report import GenerationReport
 
@@ -49,8 +50,9 @@ _NEUTRAL = {
 }  # fmt: skip
 # transformers' own defaults for what generate() reads when neither the call nor the model's generation_config sets it
 _DEFAULTS = {"max_length": 20, "min_length": 0, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1}
-ENGINES = ("pytorch", "openvino")  # the engines generation runs on so far
 MAX_BATCH = 1024  # the largest batch the graphs take
+# the clock the report's prefill and per-token times are read from: a module attribute, so that tests replace it
+clock: Callable[[], float] = time.perf_counter
 VERIFY_NEW_TOKENS = 8  # greedy tokens compared with the original's generate() on each verification prompt
 
 
@@ -159,13 +161,12 @@ class Steps:
     outputs: Any  # the steps' output structure (logits, keys, values) as a pytree spec
 
 
-def on_engine(steps: Steps, engine: str, precision: str) -> Steps:
-    """``steps`` run by ``engine`` (OpenVINO: each program converted and compiled for its dynamic shapes)."""
-    if engine == "pytorch":
+def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:
+    """``steps`` run by ``engine``: torch.export's modules on the PyTorch engine, else each program handed to the engine
+    (`EngineInfo.run_program`: OpenVINO converts and compiles it for its dynamic shapes)."""
+    if engine.own_passes:
         return steps
-    from graphopt.backends import openvino_engine
-
-    prefill, decode = (openvino_engine.program_runner(program, precision, steps.outputs) for program in steps.programs)
+    prefill, decode = (engine.make_program_runner(program, precision, steps.outputs) for program in steps.programs)
     return Steps(prefill, decode, steps.max_length, steps.programs, steps.outputs)
 
 
@@ -254,7 +255,7 @@ class Generator:
                 f"model's {self.steps.max_length}: shorten the prompt or ask for fewer new tokens"
             )
         eos = _token_list(config.eos_token_id)
-        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+        pad = _pad_token(config)
         try:
             processors = _processors(config, ids.shape[1], eos)
         except ValueError as error:  # transformers' own check of a value (top_p=1.5), in graphopt's error
@@ -263,7 +264,7 @@ class Generator:
             return self._loop(ids, mask, new_tokens, config.do_sample, processors, eos, pad)
 
     def _loop(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, sample: bool, processors: Any, eos: list[int], pad: int | None) -> torch.Tensor:
-        unfinished = torch.ones(ids.shape[0], dtype=torch.long)
+        unfinished, eos_tokens = torch.ones(ids.shape[0], dtype=torch.long), torch.tensor(eos, dtype=torch.long)
         state = _State(self.steps, ids, mask)
         for step in range(new_tokens):
             scores = processors(ids, state.logits.float())
@@ -272,7 +273,7 @@ class Generator:
                 token = token * unfinished + pad * (1 - unfinished)  # type: ignore[operator]
             ids = torch.cat([ids, token[:, None]], dim=-1)
             if eos:
-                unfinished = unfinished & ~torch.isin(token, torch.tensor(eos))
+                unfinished = unfinished & ~torch.isin(token, eos_tokens)
             if step == new_tokens - 1 or (eos and unfinished.max() == 0):
                 break
             state.advance(token)
@@ -313,6 +314,12 @@ def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, to
     if (attention_mask[:, -1] == 0).any():
         raise InvalidInputsError("attention_mask ends in a 0: pad prompts on the left (tokenizer.padding_side = 'left') for generation")
     return input_ids.long(), attention_mask.long()
+
+
+def _pad_token(config: Any) -> int | None:
+    """The token finished sequences are padded with: ``pad_token_id``, else the first eos token, as transformers does."""
+    eos = _token_list(config.eos_token_id)
+    return config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
 
 
 def _token_list(tokens: Any) -> list[int]:
@@ -367,9 +374,7 @@ def verify_generation(original: nn.Module, generator: Generator, prompts: Sequen
     which ``original`` must hold too): the same tokens, and each step's logits
     (given the same tokens before it) within the fp32 tolerance, else `VerificationError`; returns each prompt's largest
     logit error relative to the logits' scale."""
-    pad = generator.generation_config.pad_token_id
-    if pad is None and _token_list(generator.generation_config.eos_token_id):
-        pad = _token_list(generator.generation_config.eos_token_id)[0]  # what transformers would choose, without its warning
+    pad = _pad_token(generator.generation_config)  # what transformers would choose, passed to spare its warning
     greedy = {"max_new_tokens": VERIFY_NEW_TOKENS, "do_sample": False, **({"pad_token_id": pad} if pad is not None else {})}
     errors = []
     for description, ids, mask in prompts:
@@ -407,13 +412,13 @@ def _logits_along(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, s
 def timed_steps(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float]:
     """The prefill's seconds and the median seconds of a decode step, on the example prompt (for the report)."""
     with torch.inference_mode():
-        started = time.perf_counter()
+        started = clock()
         state = _State(generator.steps, ids, mask)
-        prefill, decode = time.perf_counter() - started, []
+        prefill, decode = clock() - started, []
         for _ in range(new_tokens):
-            started = time.perf_counter()
+            started = clock()
             state.advance(state.logits.argmax(-1))
-            decode.append(time.perf_counter() - started)
+            decode.append(clock() - started)
     return prefill, sorted(decode)[len(decode) // 2]
 
 
@@ -456,17 +461,17 @@ def prompt_of(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return _check_prompt(ids, mask)
 
 
-def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: str = "pytorch", precision: str = "fp32") -> Generator:
+def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: EngineInfo, precision: str = "fp32") -> Generator:
     """``generate()`` for ``model`` (the caller's, only read) on graphs captured from ``owned`` (graphopt's copy of it),
     verified against the original's own ``generate()`` on the example prompt and on a second one (another batch size
     and length, left-padded); its `GenerationReport` says how."""
     ids, mask = prompt_of(example_inputs)
-    if engine != "pytorch":
-        # transformers' SDPA attention, converted, gives NaN for a left-padded row's fully masked positions (OpenVINO
+    if not engine.own_passes:
+        # transformers' SDPA attention, converted (OpenVINO), gives NaN for a left-padded row's fully masked positions (OpenVINO
         # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead
         owned.set_attn_implementation("eager")
     steps = on_engine(capture_steps(owned, ids, mask), engine, precision)
-    report = GenerationReport(engine, precision, steps.max_length, cache_bytes_per_token(owned))
+    report = GenerationReport(engine.name, precision, steps.max_length, cache_bytes_per_token(owned))
     generator = Generator(steps, owned.generation_config, report)
     vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
     prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]

@@ -15,12 +15,11 @@ import torch
 import torch.nn as nn
 
 from graphopt import dynamic
-from graphopt.backends import DEFAULT_ENGINE, EngineInfo, engine_info
+from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo, engine_info
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.capture import check_frontend
 from graphopt.errors import InvalidModelError, InvalidOptionError, ModeSwitchError, warn_at_caller
 from graphopt.generation import check_model as check_generation_model
-from graphopt.generation import ENGINES as GENERATION_ENGINES
 from graphopt.generation import is_cached_lm as generation_model
 from graphopt.passes import MODES, Mode, PassInfo
 from graphopt.pipeline import engine_left_out, select_passes
@@ -279,7 +278,7 @@ def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision:
     unsupported = [
         text
         for text, given in (
-            (f"engine={info.name!r} (generation runs on engine='pytorch' or 'openvino' so far)", info.name not in GENERATION_ENGINES),
+            (f"engine={info.name!r} (generation runs on engine={' or '.join(repr(engine.name) for engine in ENGINES.values() if engine.generates)} so far)", not info.generates),
             (f"precision={precision!r} (generation computes in fp32 so far)", precision != "fp32"),
         )
         if given

@@ -194,12 +194,8 @@ def rewrite(workspace: Workspace, capture: Capture, options: Options, shared: Sh
         return run_verified(fresh_graph, options.pass_infos, context, capture.verifier, capture.captured.max_error)
 
     gm, reports, diffs, second_comparison = _once(shared, options.info, "passes", passes)
-    rewritten = Rewritten(gm, list(reports), dict(diffs), None, None)
-    if second_comparison is not None:
-        outputs, gradients = second_comparison
-        rewritten.second_input_error = outputs.max_error
-        rewritten.second_input_gradient_error = None if gradients is None else gradients.max_error
-    return rewritten
+    outputs, gradients = second_comparison if second_comparison is not None else (None, None)
+    return Rewritten(gm, list(reports), dict(diffs), None if outputs is None else outputs.max_error, None if gradients is None else gradients.max_error)
 
 
 @dataclass

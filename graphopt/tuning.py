@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -278,10 +278,7 @@ def tune(
         if module is not None:
             modules[candidate.name] = module
     if not modules:  # nothing to time: the first candidate's own error says why (the graph with no passes failed too)
-        first = next((error for error in failures if isinstance(error, GraphoptError)), failures[0] if failures else None)
-        if isinstance(first, GraphoptError):
-            raise first
-        raise GraphoptError(f"tune=True built no candidate ({'; '.join(f'{row.name}: {row.reason}' for row in rows)}): optimize without tune=True to see the error") from first
+        _nothing_built(failures, rows, "candidate")
     remaining = max(budget_s - (clock() - started), 0.0)
     runs = {name: (lambda module=module: module(*args)) for name, module in modules.items()}
     ranking = measure_latencies(runs, budget_s=remaining)
@@ -297,6 +294,14 @@ def tune(
     if ranking.verdict != "disturbed":  # a choice timed while other processes held the CPU is made again next time
         remember(key, {"winner": winner, "winner_options": next(c.options for c in todo if c.name == winner), "why": why, "candidates": [asdict(r) for r in rows]})
     return chosen
+
+
+def _nothing_built(failures: list[Exception], rows: list[TuneCandidate], what: str) -> NoReturn:
+    """Raise why no candidate was built: the first candidate's own `GraphoptError`, else one listing every candidate."""
+    first = next((error for error in failures if isinstance(error, GraphoptError)), failures[0] if failures else None)
+    if isinstance(first, GraphoptError):
+        raise first
+    raise GraphoptError(f"tune=True built no {what} ({'; '.join(f'{row.name}: {row.reason}' for row in rows)}): optimize without tune=True to see the error") from first
 
 
 def measured_error(report: Report) -> float | None:
@@ -341,7 +346,7 @@ def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
 TUNE_NEW_TOKENS = 16  # each generation candidate is timed generating this many tokens from the example prompt
 
 
-def tune_generation(build: Callable[[str], Any], engines: Sequence[EngineInfo], generate: Callable[[Any], Any], accuracy: float, budget_s: float) -> tuple[Any, TuneReport]:
+def tune_generation(build: Callable[[EngineInfo], Any], engines: Sequence[EngineInfo], generate: Callable[[Any], Any], accuracy: float, budget_s: float) -> tuple[Any, TuneReport]:
     """The fastest of ``build(engine)`` (a verified `graphopt.generation.Generator`) over ``engines``, timed generating
     `TUNE_NEW_TOKENS` tokens (``generate(generator)``: decode steps dominate), with the report of every candidate.
     Generation computes in fp32 so far: every candidate is exact, whatever ``accuracy`` admits."""
@@ -356,7 +361,7 @@ def tune_generation(build: Callable[[str], Any], engines: Sequence[EngineInfo], 
             continue
         building = clock()
         try:
-            generator = build(info.name)
+            generator = build(info)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
             row.status, row.reason = "failed", error_summary(error)
             failures.append(error)
@@ -364,10 +369,7 @@ def tune_generation(build: Callable[[str], Any], engines: Sequence[EngineInfo], 
         row.build_seconds, row.max_error = clock() - building, generator.report.max_error
         built[row.name] = generator
     if not built:
-        first = next((error for error in failures if isinstance(error, GraphoptError)), None)
-        if first is not None:
-            raise first
-        raise GraphoptError(f"tune=True built no generation candidate ({'; '.join(f'{row.name}: {row.reason}' for row in rows)})")
+        _nothing_built(failures, rows, "generation candidate")
     remaining = max(budget_s - (clock() - started), 0.0)
     ranking = measure_latencies({name: (lambda generator=generator: generate(generator)) for name, generator in built.items()}, budget_s=remaining)
     for row in rows:

@@ -120,11 +120,19 @@ class EngineInfo:
     # (folder written by EngineRunner.save, its settings, the graph saved beside it, example inputs) -> the runner again
     load: Callable[[Path, Mapping[str, Any], fx.GraphModule, tuple[Any, ...]], EngineRunner] | None = None
     costs: str = ""  # what choosing it costs: build time, file size, no autograd
+    # (torch.export program whose shapes change with every call, precision, output structure) -> runner: a language
+    # model's generation steps (`graphopt.generation`); None: the engine does not run them
+    run_program: Callable[[torch.export.ExportedProgram, str, pytree.TreeSpec], EngineRunner] | None = None
 
     @property
     def own_passes(self) -> bool:
         """Whether graphopt's layout, precision and CPU-kernel passes make the result (the PyTorch engine)."""
         return self.build is None
+
+    @property
+    def generates(self) -> bool:
+        """Whether a language model's generate() runs on it: the PyTorch engine, or one with `run_program`."""
+        return self.own_passes or self.run_program is not None
 
     def missing(self) -> str | None:
         """Why this engine cannot run here (its runtime is not installed, or its import fails), or None."""
@@ -149,6 +157,16 @@ class EngineInfo:
             raise
         except Exception as error:
             raise EngineError(f"engine={self.name!r} could not build graphopt's graph ({error_summary(error)}): use another engine, and please report the model") from error
+
+    def make_program_runner(self, program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> EngineRunner:
+        """``run_program(program, precision, outputs)``, its tools' errors as `EngineError`, as `make` does for graphs."""
+        self.check_installed()
+        try:
+            return self.run_program(program, precision, outputs)  # type: ignore[misc]
+        except GraphoptError:
+            raise
+        except Exception as error:
+            raise EngineError(f"engine={self.name!r} could not convert or compile the generation step ({error_summary(error)}): use another engine") from error
 
     def check_installed(self) -> None:
         """Raise `EngineError` naming the extra to install where the runtime is missing."""

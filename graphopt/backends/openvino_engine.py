@@ -217,12 +217,9 @@ def _orientations(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> OpenVINORunner:
     """A torch.export program whose shapes change with every call (a language model's prefill or decode step, its cache
-    as inputs and outputs), converted and compiled for its dynamic shapes; `EngineError` where OpenVINO cannot."""
+    as inputs and outputs), converted and compiled for its dynamic shapes (called through `EngineInfo.make_program_runner`)."""
     _check_precision(precision)
-    try:
-        return OpenVINORunner(_convert(program), precision, outputs, example_shapes=None)
-    except Exception as error:  # OpenVINO's own conversion or compilation error, quoted
-        raise EngineError(f"engine='openvino' could not convert or compile the generation step ({error_summary(error)})") from error
+    return OpenVINORunner(_convert(program), precision, outputs, example_shapes=None)
 
 
 def _convert(program: torch.export.ExportedProgram) -> Any:
@@ -250,5 +247,6 @@ ENGINE = EngineInfo(
     extra="openvino",
     build=build,
     load=load,
+    run_program=program_runner,
     costs="a few seconds to convert and compile (int8: NNCF's quantization, seconds to a minute, once per try within the budget), twice (the example's shapes, other sizes: the weights twice in memory); the IR (.xml/.bin) holds the fp32 weights; no autograd, CPU only",
 )
