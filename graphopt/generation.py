@@ -371,9 +371,9 @@ def second_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocabul
 
 def verify_generation(original: nn.Module, generator: Generator, prompts: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> list[float]:
     """Greedy generation against the original's ``generate()`` on each prompt (both with ``generator``'s generation_config,
-    which ``original`` must hold too): the same tokens, and each step's logits
-    (given the same tokens before it) within the fp32 tolerance, else `VerificationError`; returns each prompt's largest
-    logit error relative to the logits' scale."""
+    which ``original`` must hold too): the same tokens, and each step's logits (given the same tokens before it) within
+    the fp32 tolerance; and sampling from one seed on the first prompt: the same tokens. Else `VerificationError`;
+    returns each prompt's largest logit error relative to the logits' scale."""
     pad = _pad_token(generator.generation_config)  # what transformers would choose, passed to spare its warning
     greedy = {"max_new_tokens": VERIFY_NEW_TOKENS, "do_sample": False, **({"pad_token_id": pad} if pad is not None else {})}
     errors = []
@@ -399,7 +399,27 @@ def verify_generation(original: nn.Module, generator: Generator, prompts: Sequen
                 )
             worst = max(worst, comparison.max_error)
         errors.append(worst)
+    if prompts:
+        _verify_sampling(original, generator, *prompts[0][1:], greedy)
     return errors
+
+
+def _verify_sampling(original: nn.Module, generator: Generator, ids: torch.Tensor, mask: torch.Tensor, options: dict[str, Any]) -> None:
+    """Sampled tokens from one seed against the original's (its generation_config's processors, torch.multinomial on the
+    global generator), else `VerificationError`; the caller's random state is left as it was."""
+    sampled: list[torch.Tensor] = []
+    options = {**options, "do_sample": True}
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        for generate in (lambda: original.generate(input_ids=ids, attention_mask=mask, **options), lambda: generator.generate(ids, mask, **options)):
+            torch.manual_seed(0)
+            sampled.append(generate())
+    expected, actual = sampled
+    if not torch.equal(actual, expected):
+        raise VerificationError(
+            f"generation samples other tokens than the original model's generate() from the same seed on the example prompt: "
+            f"{actual[:, ids.shape[1]:].tolist()} instead of {expected[:, ids.shape[1]:].tolist()}. Your model is unchanged; please report it.",
+            reason="sampled tokens differ on the example prompt",
+        )
 
 
 def _logits_along(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor) -> list[torch.Tensor]:
@@ -480,7 +500,7 @@ def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: Engin
     original = copy.deepcopy(model).eval()
     original.generation_config = _neutral(owned.generation_config)
     errors = verify_generation(original, Generator(steps, original.generation_config, report), fits)
-    report.verified = [description for description, _, _ in fits]
+    report.verified = [f"greedy on {description}" for description, _, _ in fits] + ["seeded sampling on the example prompt"] * bool(fits)
     report.max_error = max(errors, default=None)
     report.prefill_seconds, report.token_seconds = timed_steps(generator, ids, mask, VERIFY_NEW_TOKENS)
     return generator

@@ -228,11 +228,11 @@ class GenerationReport:
     cache_bytes_per_token: int  # the key/value cache of one token of one sequence
     prefill_seconds: float = 0.0  # the example prompt's prefill
     token_seconds: float = 0.0  # one new token (a decode step), median over the verification's steps
-    verified: list[str] = field(default_factory=list)  # the prompts whose greedy tokens equal the original's
+    verified: list[str] = field(default_factory=list)  # how tokens were compared with the original's: greedy on each prompt, seeded sampling
     max_error: float | None = None  # the largest logit error of any step, relative to the logits' scale
 
     def lines(self) -> list[str]:
-        verified = f"greedy tokens equal to the original's on {', '.join(self.verified)}" if self.verified else "not verified"
+        verified = f"tokens equal to the original's: {', '.join(self.verified)}" if self.verified else "not verified"
         error = "" if self.max_error is None else f", logits within {self.max_error:.1e}"
         return [
             f"generation: {self.engine} ({self.precision}), prefill and decode graphs with the key/value cache as tensors; up to {self.max_length} positions, "

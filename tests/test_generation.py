@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import timing, tuning
-from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError
+from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
 from graphopt.report import Report
 from tests.conftest import model_state
 
@@ -119,10 +119,12 @@ def test_the_report_says_how_generation_runs_and_was_verified(optimized: Any) ->
     config = model.config
     layers, heads = getattr(config, "n_layer", None) or config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.n_head
     assert (report.max_length, report.cache_bytes_per_token) == (POSITIONS, 2 * layers * heads * 16 * 4)  # head size 64 / 4 heads, fp32
-    assert report.verified == ["the example prompt", "a second prompt (another batch size and length, left-padded)"]
+    assert report.verified == [
+        "greedy on the example prompt", "greedy on a second prompt (another batch size and length, left-padded)", "seeded sampling on the example prompt",
+    ]  # fmt: skip
     assert report.max_error is not None and report.max_error < 1e-4
     text = str(fast.graphopt_report)
-    assert f"up to {POSITIONS} positions" in text and "ms per new token" in text and "greedy tokens equal to the original's" in text
+    assert f"up to {POSITIONS} positions" in text and "ms per new token" in text and "tokens equal to the original's: greedy on the example prompt" in text
     assert Report.from_dict(fast.graphopt_report.to_dict()).generation == report
 
 
@@ -265,3 +267,21 @@ def test_the_reports_times_are_the_prefill_and_the_median_decode_step(optimized:
     monkeypatch.setattr(graphopt.generation, "clock", lambda: next(readings))
     ids, mask = prompt(2, 6, padded=2)
     assert graphopt.generation.timed_steps(fast.generator, ids, mask, new_tokens=3) == (0.5, 2.0)  # decode steps of 3, 1 and 2 s
+
+
+def test_sampling_that_differs_from_the_originals_with_the_same_seed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = graphopt.generation._processors
+
+    def hotter(config: Any, prompt_length: int, eos: list[int]) -> Any:  # as if generate() sampled at another temperature
+        processors = real(config, prompt_length, eos)
+        if config.do_sample:
+            processors.append(transformers.generation.logits_process.TemperatureLogitsWarper(3.0))
+        return processors
+
+    monkeypatch.setattr(graphopt.generation, "_processors", hotter)
+    ids, mask = prompt(2, 6, padded=2)
+    model = tiny("gpt2")  # seeds torch's generator itself
+    state = torch.random.get_rng_state()
+    with pytest.raises(VerificationError, match=r"samples other tokens than the original model's generate\(\) from the same seed"):
+        graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})  # greedy agrees: only sampling differs
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left as it was
