@@ -272,13 +272,13 @@ def test_the_reports_times_are_the_prefill_and_the_median_decode_step(optimized:
 def test_sampling_that_differs_from_the_originals_with_the_same_seed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     real = graphopt.generation._processors
 
-    def hotter(config: Any, prompt_length: int, eos: list[int]) -> Any:  # as if generate() sampled at another temperature
+    def colder(config: Any, prompt_length: int, eos: list[int]) -> Any:  # as if generate() sampled at another temperature
         processors = real(config, prompt_length, eos)
-        if config.do_sample:
-            processors.append(transformers.generation.logits_process.TemperatureLogitsWarper(3.0))
+        if config.do_sample:  # a low one: the tiny model's random logits are so flat that a higher one samples the same tokens
+            processors.append(transformers.generation.logits_process.TemperatureLogitsWarper(0.05))
         return processors
 
-    monkeypatch.setattr(graphopt.generation, "_processors", hotter)
+    monkeypatch.setattr(graphopt.generation, "_processors", colder)
     ids, mask = prompt(2, 6, padded=2)
     model = tiny("gpt2")  # seeds torch's generator itself
     state = torch.random.get_rng_state()
