@@ -19,6 +19,7 @@ exists, and ``.to()``, ``.parameters()`` and hooks behave as on any module.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt import dynamic, generation, tuning
+from graphopt import dynamic, generation, generation_build, tuning
 from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo
 from graphopt.capture import one_at_a_time
 from graphopt.device import device_types
@@ -198,13 +199,14 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
     ``generate()`` on the prefill and decode graphs of another copy (`graphopt.generation`) on ``options``' engine,
     verified. The calls run graphopt's PyTorch graph whatever the engine (the report says so)."""
     optimized = _calls_without_cache(model, example_inputs, options, shared)
-    return _with_generator(optimized, generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, options.info, options.precision))
+    owned = prepare(model, example_inputs, dataclasses.replace(options, int8=False)).owned  # int8 generation needs no calibration
+    return _with_generator(optimized, generation_build.build(model, example_inputs, owned, options.info, options.precision, options.int8_accuracy))
 
 
 def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
     """A causal language model's calls, optimized on a copy whose cache is off, on graphopt's PyTorch graph."""
     without_cache = generation.without_cache(model)
-    given = {**_DEFAULTS, **options.shared_by_candidates(), **options.fixed_by_caller(), "engine": DEFAULT_ENGINE, "tune": False}
+    given = {**_DEFAULTS, **options.shared_by_candidates(), **options.fixed_by_caller(), "engine": DEFAULT_ENGINE, "tune": False, "precision": "fp32"}
     return run_stages(without_cache, example_inputs, check_options(without_cache, example_inputs, **given)[2], shared)
 
 
@@ -214,6 +216,8 @@ def _with_generator(optimized: OptimizedModule, generator: generation.Generator)
     optimized.graphopt_report.generation = generator.report
     if generator.report.engine != DEFAULT_ENGINE:
         optimized.graphopt_report.notes.append(f"engine={generator.report.engine!r} runs generate(); calls of the module run graphopt's PyTorch graph")
+    if generator.report.precision != "fp32":
+        optimized.graphopt_report.notes.append(f"precision={generator.report.precision!r} applies to generate(); calls of the module compute in fp32")
     return optimized
 
 
@@ -225,14 +229,16 @@ def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -
     fixed = "engine" in options.fixed_by_caller()
     engines = [options.info] if fixed else [info for info in ENGINES.values() if info.generates]
 
-    def build(engine: EngineInfo) -> generation.Generator:
-        return generation.build(model, example_inputs, prepare(model, example_inputs, options).owned, engine, "fp32")
+    def build(engine: EngineInfo, precision: str) -> generation.Generator:
+        owned = prepare(model, example_inputs, dataclasses.replace(options, int8=False)).owned
+        return generation_build.build(model, example_inputs, owned, engine, precision, options.tune_accuracy)
 
     def generate(generator: generation.Generator) -> Any:
         return generator.generate(ids, mask, max_new_tokens=tuning.TUNE_NEW_TOKENS, min_new_tokens=tuning.TUNE_NEW_TOKENS)
 
     assert options.tune_accuracy is not None
-    generator, report = tuning.tune_generation(build, engines, generate, options.tune_accuracy, options.tune_budget_s)
+    candidates = tuning.generation_candidates(engines, options.tune_accuracy, options.fixed_by_caller().get("precision"))
+    generator, report = tuning.tune_generation(build, candidates, generate, options.tune_accuracy, options.tune_budget_s)
     optimized = _with_generator(optimized, generator)
     optimized.graphopt_report.tune = report
     return optimized

@@ -13,9 +13,8 @@ The cache is explicit: tensors in, tensors out, so any runtime that runs a graph
 (``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``), the same sampling
 (``torch.multinomial`` on the global generator: ``torch.manual_seed`` gives the original's tokens),
 the same end of sequences (``eos_token_id``, ``pad_token_id``) and the same positions for
-left-padded batches. `verify_generation` checks the result against the original's own
-``generate()``: the greedy tokens, and each step's logits, on the example and on a second prompt
-length and batch size, left-padded.
+left-padded batches. `graphopt.generation_build` builds it on an engine and verifies it against
+the original's own ``generate()``.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from graphopt import verify as verify_outputs
 from graphopt.backends import EngineInfo
-from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, VerificationError
+from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError
 from graphopt.report import GenerationReport
 
 # the options of transformers' generate() that Generator.generate takes; num_beams only as 1 (greedy or sampling)
@@ -53,7 +51,6 @@ _DEFAULTS = {"max_length": 20, "min_length": 0, "do_sample": False, "temperature
 MAX_BATCH = 1024  # the largest batch the graphs take
 # the clock the report's prefill and per-token times are read from: a module attribute, so that tests replace it
 clock: Callable[[], float] = time.perf_counter
-VERIFY_NEW_TOKENS = 8  # greedy tokens compared with the original's generate() on each verification prompt
 
 
 def is_cached_lm(model: nn.Module) -> bool:
@@ -219,7 +216,7 @@ def _max_length(model: nn.Module) -> int:
     return 8192
 
 
-class _State:
+class State:
     """One generation on the captured graphs: the mask so far, each layer's keys and values, the last logits."""
 
     def __init__(self, steps: Steps, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -255,7 +252,7 @@ class Generator:
                 f"model's {self.steps.max_length}: shorten the prompt or ask for fewer new tokens"
             )
         eos = _token_list(config.eos_token_id)
-        pad = _pad_token(config)
+        pad = pad_token(config)
         try:
             processors = _processors(config, ids.shape[1], eos)
         except ValueError as error:  # transformers' own check of a value (top_p=1.5), in graphopt's error
@@ -265,7 +262,7 @@ class Generator:
 
     def _loop(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, sample: bool, processors: Any, eos: list[int], pad: int | None) -> torch.Tensor:
         unfinished, eos_tokens = torch.ones(ids.shape[0], dtype=torch.long), torch.tensor(eos, dtype=torch.long)
-        state = _State(self.steps, ids, mask)
+        state = State(self.steps, ids, mask)
         for step in range(new_tokens):
             scores = processors(ids, state.logits.float())
             token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1) if sample else torch.argmax(scores, dim=-1)
@@ -316,7 +313,7 @@ def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, to
     return input_ids.long(), attention_mask.long()
 
 
-def _pad_token(config: Any) -> int | None:
+def pad_token(config: Any) -> int | None:
     """The token finished sequences are padded with: ``pad_token_id``, else the first eos token, as transformers does."""
     eos = _token_list(config.eos_token_id)
     return config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
@@ -356,84 +353,11 @@ def _processors(config: Any, prompt_length: int, eos: list[int]) -> Any:
     return processors
 
 
-def second_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocabulary: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Another batch size and prompt length than the example's, left-padded: one row more, three tokens longer, the first
-    row's first three tokens padding."""
-    generator = torch.Generator().manual_seed(0)
-    batch, length = input_ids.shape[0] + 1, input_ids.shape[1] + 3
-    ids = torch.randint(0, vocabulary, (batch, length), generator=generator, dtype=input_ids.dtype)
-    ids[: input_ids.shape[0], 3:] = input_ids
-    mask = torch.ones_like(ids)
-    mask[: attention_mask.shape[0], 3:] = attention_mask
-    mask[0, :3] = 0
-    return ids, mask
-
-
-def verify_generation(original: nn.Module, generator: Generator, prompts: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> list[float]:
-    """Greedy generation against the original's ``generate()`` on each prompt (both with ``generator``'s generation_config,
-    which ``original`` must hold too): the same tokens, and each step's logits (given the same tokens before it) within
-    the fp32 tolerance; and sampling from one seed on the first prompt: the same tokens. Else `VerificationError`;
-    returns each prompt's largest logit error relative to the logits' scale."""
-    pad = _pad_token(generator.generation_config)  # what transformers would choose, passed to spare its warning
-    greedy = {"max_new_tokens": VERIFY_NEW_TOKENS, "do_sample": False, **({"pad_token_id": pad} if pad is not None else {})}
-    errors = []
-    for description, ids, mask in prompts:
-        with torch.inference_mode():
-            expected = original.generate(input_ids=ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **greedy)
-        actual = generator.generate(ids, mask, **greedy)
-        if not torch.equal(actual, expected.sequences):
-            raise VerificationError(
-                f"generation gives other tokens than the original model's generate() on {description}: "
-                f"{actual[:, ids.shape[1]:].tolist()} instead of {expected.sequences[:, ids.shape[1]:].tolist()}. Your model is unchanged; please report it.",
-                reason=f"tokens differ on {description}",
-            )
-        worst = 0.0
-        for step, (want, got) in enumerate(zip(expected.logits, _logits_along(generator, ids, mask, expected.sequences), strict=True)):
-            comparison = verify_outputs.compare(want.float(), got.float(), None, verify_outputs.tolerance_for(torch.float32))
-            if not comparison.ok:
-                raise VerificationError(
-                    f"generation computes the logits of step {step + 1} differently from the original model on {description} by "
-                    f"{comparison.max_error:.3e} relative to their scale: {comparison.detail}. Your model is unchanged; please report it.",
-                    max_error=comparison.max_error,
-                    reason=f"step {step + 1} logits differ on {description}",
-                )
-            worst = max(worst, comparison.max_error)
-        errors.append(worst)
-    if prompts:
-        _verify_sampling(original, generator, *prompts[0][1:], greedy)
-    return errors
-
-
-def _verify_sampling(original: nn.Module, generator: Generator, ids: torch.Tensor, mask: torch.Tensor, options: dict[str, Any]) -> None:
-    """Sampled tokens from one seed against the original's (its generation_config's processors, torch.multinomial on the
-    global generator), else `VerificationError`; the caller's random state is left as it was."""
-    sampled: list[torch.Tensor] = []
-    options = {**options, "do_sample": True}
-    with torch.random.fork_rng(devices=[]), torch.inference_mode():
-        for generate in (lambda: original.generate(input_ids=ids, attention_mask=mask, **options), lambda: generator.generate(ids, mask, **options)):
-            torch.manual_seed(0)
-            sampled.append(generate())
-    expected, actual = sampled
-    if not torch.equal(actual, expected):
-        raise VerificationError(
-            f"generation samples other tokens than the original model's generate() from the same seed on the example prompt: "
-            f"{actual[:, ids.shape[1]:].tolist()} instead of {expected[:, ids.shape[1]:].tolist()}. Your model is unchanged; please report it.",
-            reason="sampled tokens differ on the example prompt",
-        )
-
-
-def _logits_along(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor) -> list[torch.Tensor]:
-    """Each step's raw logits from the captured graphs, fed the tokens of ``sequences`` (the original's) after the prompt."""
-    with torch.inference_mode():
-        state = _State(generator.steps, ids, mask)
-        return [state.logits, *(state.advance(token) for token in sequences[:, ids.shape[1] : -1].T)]
-
-
 def timed_steps(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float]:
     """The prefill's seconds and the median seconds of a decode step, on the example prompt (for the report)."""
     with torch.inference_mode():
         started = clock()
-        state = _State(generator.steps, ids, mask)
+        state = State(generator.steps, ids, mask)
         prefill, decode = clock() - started, []
         for _ in range(new_tokens):
             started = clock()
@@ -448,7 +372,7 @@ def cache_bytes_per_token(model: nn.Module) -> int:
     return 2 * layers * heads * size * next(model.parameters()).element_size()
 
 
-def _neutral(generation_config: Any) -> Any:
+def neutral_config(generation_config: Any) -> Any:
     """A copy of ``generation_config`` without the settings generate() does not apply (each at its neutral value)."""
     neutral = copy.deepcopy(generation_config)
     for name, values in _NEUTRAL.items():
@@ -479,28 +403,3 @@ def prompt_of(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             "e.g. tokenizer(texts, return_tensors='pt', padding=True) with tokenizer.padding_side = 'left'"
         )
     return _check_prompt(ids, mask)
-
-
-def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: EngineInfo, precision: str = "fp32") -> Generator:
-    """``generate()`` for ``model`` (the caller's, only read) on graphs captured from ``owned`` (graphopt's copy of it),
-    verified against the original's own ``generate()`` on the example prompt and on a second one (another batch size
-    and length, left-padded); its `GenerationReport` says how."""
-    ids, mask = prompt_of(example_inputs)
-    if not engine.own_passes:
-        # transformers' SDPA attention, converted (OpenVINO), gives NaN for a left-padded row's fully masked positions (OpenVINO
-        # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead
-        owned.set_attn_implementation("eager")
-    steps = on_engine(capture_steps(owned, ids, mask), engine, precision)
-    report = GenerationReport(engine.name, precision, steps.max_length, cache_bytes_per_token(owned))
-    generator = Generator(steps, owned.generation_config, report)
-    vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
-    prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]
-    fits = [prompt for prompt in prompts if prompt[1].shape[1] + VERIFY_NEW_TOKENS <= steps.max_length]
-    # verified greedy, without what the model's generation_config may add that generate() refuses (repetition_penalty)
-    original = copy.deepcopy(model).eval()
-    original.generation_config = _neutral(owned.generation_config)
-    errors = verify_generation(original, Generator(steps, original.generation_config, report), fits)
-    report.verified = [f"greedy on {description}" for description, _, _ in fits] + ["seeded sampling on the example prompt"] * bool(fits)
-    report.max_error = max(errors, default=None)
-    report.prefill_seconds, report.token_seconds = timed_steps(generator, ids, mask, VERIFY_NEW_TOKENS)
-    return generator

@@ -180,7 +180,7 @@ def check_options(
     resolved_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
     strict = _check_verify(verify)
     tune_accuracy = _check_tuning(accuracy, tune_budget_s, precision) if tune else None
-    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision)
+    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision, calibration)
     options = Options(
         mode_given=mode, passes=passes, disable=disable, frontend=frontend, dynamic_shapes=resolved_shapes, verify=verify,
         memory_format=memory_format, keep_channels_last_outputs=keep_channels_last_outputs, precision=precision,
@@ -272,20 +272,26 @@ def _check_tuning(accuracy: float | None, budget_s: float, precision: str) -> fl
     return float(accuracy)
 
 
-def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str) -> bool:
+def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str, calibration: Any) -> bool:
     """A causal language model with its cache on gets generate() (True); what generation does not do yet is refused."""
     check_generation_model(model, training=mode == "training")
     unsupported = [
         text
         for text, given in (
             (f"engine={info.name!r} (generation runs on engine={' or '.join(repr(engine.name) for engine in ENGINES.values() if engine.generates)} so far)", not info.generates),
-            (f"precision={precision!r} (generation computes in fp32 so far)", precision != "fp32"),
+            (
+                f"precision={precision!r} on engine={info.name!r} (generation computes in "
+                + "; ".join(f"{', '.join(engine.generation_precisions)} on {engine.name}" for engine in ENGINES.values() if engine.generates)
+                + ")",
+                info.generates and precision not in info.generation_precisions,
+            ),
+            ("calibration= (int8 generation compresses the weights alone, without calibration data)", calibration is not None),
         )
         if given
     ]
     if unsupported:
         raise InvalidOptionError(
             f"{type(model).__name__} generates with its key/value cache, and graphopt's generate() does not take {'; '.join(unsupported)}: "
-            "leave the option out, or set model.config.use_cache = False to optimize its forward alone (scoring, no generation)"
+            "leave the option out (or choose an engine that computes in the precision), or set model.config.use_cache = False to optimize its forward alone (scoring, no generation)"
         )
     return True

@@ -230,15 +230,19 @@ class GenerationReport:
     token_seconds: float = 0.0  # one new token (a decode step), median over the verification's steps
     verified: list[str] = field(default_factory=list)  # how tokens were compared with the original's: greedy on each prompt, seeded sampling
     max_error: float | None = None  # the largest logit error of any step, relative to the logits' scale
+    tolerance: float | None = None  # the logit error allowed: fp32's, twice autocast's in bf16, the accuracy budget in int8
+    ties: list[str] = field(default_factory=list)  # low precision: where a token differs from the original's, at a tie
 
     def lines(self) -> list[str]:
-        verified = f"tokens equal to the original's: {', '.join(self.verified)}" if self.verified else "not verified"
-        error = "" if self.max_error is None else f", logits within {self.max_error:.1e}"
-        return [
+        exact = "tokens equal to the original's" if self.precision == "fp32" else "tokens equal to the original's up to a tie"
+        verified = f"{exact}: {', '.join(self.verified)}" if self.verified else "not verified"
+        error = "" if self.max_error is None else f", logits within {self.max_error:.1e}" + (f" (allowed {self.tolerance:.1e})" if self.tolerance is not None else "")
+        lines = [
             f"generation: {self.engine} ({self.precision}), prefill and decode graphs with the key/value cache as tensors; up to {self.max_length} positions, "
             f"cache {self.cache_bytes_per_token} bytes per token per sequence",
             f"    prefill {self.prefill_seconds * 1e3:.2f} ms on the example prompt, {self.token_seconds * 1e3:.2f} ms per new token; {verified}{error}",
         ]
+        return lines + [f"    a token differs from the original's after a tie: {tie}" for tie in self.ties]
 
 
 @dataclass

@@ -55,6 +55,7 @@ from graphopt.errors import GraphoptError, error_summary
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import Report, TuneCandidate, TuneReport
 from graphopt.timing import Ranking, rank_latencies, remeasure_requested
+from graphopt.verify import tolerance_for
 
 # A low precision is a candidate only when the accuracy budget admits its documented error bound.
 LOW_PRECISION_BOUNDS = {"bf16": 3e-2, "fp16": 1e-2}
@@ -346,14 +347,25 @@ def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
 TUNE_NEW_TOKENS = 16  # each generation candidate is timed generating this many tokens from the example prompt
 
 
-def tune_generation(build: Callable[[EngineInfo], Any], engines: Sequence[EngineInfo], generate: Callable[[Any], Any], accuracy: float, budget_s: float) -> tuple[Any, TuneReport]:
-    """The fastest of ``build(engine)`` (a verified `graphopt.generation.Generator`) over ``engines``, timed generating
-    `TUNE_NEW_TOKENS` tokens (``generate(generator)``: decode steps dominate), with the report of every candidate.
-    Generation computes in fp32 so far: every candidate is exact, whatever ``accuracy`` admits."""
+def generation_candidates(engines: Sequence[EngineInfo], accuracy: float, fixed: str | None = None) -> list[tuple[EngineInfo, str]]:
+    """(engine, precision) for each of ``engines`` in each precision it generates in that ``accuracy`` admits (only
+    ``fixed``, where the caller gave one), lowest first: int8 (the weights alone) within any budget looser than fp32's
+    tolerance, bf16 within its documented bound (`LOW_PRECISION_BOUNDS`), and fp32."""
+    admitted = {"int8": accuracy > tolerance_for(torch.float32), "bf16": accuracy >= LOW_PRECISION_BOUNDS["bf16"], "fp32": True}
+    precisions = [fixed] if fixed is not None else [precision for precision, admits in admitted.items() if admits]
+    return [(info, precision) for info in engines for precision in precisions if precision in info.generation_precisions]
+
+
+def tune_generation(
+    build: Callable[[EngineInfo, str], Any], candidates: Sequence[tuple[EngineInfo, str]], generate: Callable[[Any], Any], accuracy: float, budget_s: float
+) -> tuple[Any, TuneReport]:
+    """The fastest of ``build(engine, precision)`` (a verified `graphopt.generation.Generator`) over ``candidates``
+    (`generation_candidates`), timed generating `TUNE_NEW_TOKENS` tokens (``generate(generator)``: decode
+    steps dominate), with the report of every candidate; one whose logit error is over ``accuracy`` is not kept."""
     rows, built, failures = [], {}, []
     started = clock()
-    for info in engines:
-        row = TuneCandidate(f"{info.name} fp32 generate", {"engine": info.name})
+    for info, precision in candidates:
+        row = TuneCandidate(f"{info.name} {precision} generate", {"engine": info.name, "precision": precision})
         rows.append(row)
         missing = info.missing()
         if missing is not None:
@@ -361,12 +373,15 @@ def tune_generation(build: Callable[[EngineInfo], Any], engines: Sequence[Engine
             continue
         building = clock()
         try:
-            generator = build(info)
+            generator = build(info, precision)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
             row.status, row.reason = "failed", error_summary(error)
             failures.append(error)
             continue
         row.build_seconds, row.max_error = clock() - building, generator.report.max_error
+        if row.max_error is not None and row.max_error > accuracy:
+            row.status, row.reason = "over budget", f"logit error {row.max_error:.1e} over accuracy={accuracy:g}"
+            continue
         built[row.name] = generator
     if not built:
         _nothing_built(failures, rows, "generation candidate")
@@ -379,5 +394,5 @@ def tune_generation(build: Callable[[EngineInfo], Any], engines: Sequence[Engine
     why = f"fastest of {len(built)} verified generation candidates, {TUNE_NEW_TOKENS} new tokens in {ranking.medians[winner] * 1e3:.1f} ms"
     if ranking.runner_up is not None:
         why += f"; next {ranking.runner_up} at {ranking.medians[ranking.runner_up] * 1e3:.1f} ms"
-    why += f"; timed {ranking.describe()}; fp32, the original's greedy tokens (low precisions are not candidates for generation yet)"
+    why += f"; timed {ranking.describe()}; " + ("fp32, the original's greedy tokens" if built[winner].report.precision == "fp32" else f"logits within accuracy={accuracy:g}")
     return built[winner], TuneReport(winner, why, rows, accuracy, cache="miss", seconds=clock() - started, ranking=ranking)

@@ -160,7 +160,7 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
     "options, message",
     [
         ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' or 'openvino' so far\)"),
-        ({"precision": "bf16"}, r"does not take precision='bf16' \(generation computes in fp32 so far\)"),
+        ({"precision": "bf16"}, r"does not take precision='bf16' on engine='pytorch' \(generation computes in fp32 on pytorch; "),
         ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),
     ],
 )
@@ -253,7 +253,7 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
     assert timed == [["openvino fp32 generate", "pytorch fp32 generate"]]
     assert report.tune.winner == "openvino fp32 generate" and report.generation.engine == "openvino"
     assert {row.name: row.status for row in report.tune.candidates} == {"pytorch fp32 generate": "measured", "openvino fp32 generate": "measured"}
-    assert "16 new tokens" in report.tune.why and "low precisions are not candidates for generation yet" in report.tune.why
+    assert "16 new tokens" in report.tune.why and "fp32, the original's greedy tokens" in report.tune.why
     other_ids, other_mask = prompt(3, 9, padded=4)
     assert torch.equal(fast.generate(other_ids, other_mask, max_new_tokens=8), original_generate(model, other_ids, other_mask, max_new_tokens=8))
     pinned = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True, engine="openvino")  # an option given is kept

@@ -123,6 +123,8 @@ class EngineInfo:
     # (torch.export program whose shapes change with every call, precision, output structure) -> runner: a language
     # model's generation steps (`graphopt.generation`); None: the engine does not run them
     run_program: Callable[[torch.export.ExportedProgram, str, pytree.TreeSpec], EngineRunner] | None = None
+    # the precision= values `run_program` generates in (int8: the weights alone, compressed without calibration data)
+    generation_precisions: tuple[str, ...] = ("fp32",)
 
     @property
     def own_passes(self) -> bool:

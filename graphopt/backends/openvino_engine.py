@@ -217,9 +217,25 @@ def _orientations(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> OpenVINORunner:
     """A torch.export program whose shapes change with every call (a language model's prefill or decode step, its cache
-    as inputs and outputs), converted and compiled for its dynamic shapes (called through `EngineInfo.make_program_runner`)."""
+    as inputs and outputs), converted and compiled for its dynamic shapes (called through `EngineInfo.make_program_runner`).
+    ``precision="int8"``: its weights compressed to int8 by NNCF's ``compress_weights`` (data-free, as optimum-intel's
+    8-bit models), its activations in OpenVINO's default precision."""
     _check_precision(precision)
-    return OpenVINORunner(_convert(program), precision, outputs, example_shapes=None)
+    model = _convert(program)
+    if precision == "int8":
+        model = _int8_weights(model)
+    return OpenVINORunner(model, precision, outputs, example_shapes=None)
+
+
+def _int8_weights(model: Any) -> Any:
+    """``model`` with the weights of its matrix multiplications and embeddings in int8 (asymmetric, per channel)."""
+    try:
+        import nncf
+    except ImportError as error:
+        raise EngineError("engine='openvino', precision='int8' compresses the weights with NNCF, which is not installed: pip install 'graphopt[openvino]'") from error
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _nncf_quiet():
+        warnings.simplefilter("ignore")
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
 
 
 def _convert(program: torch.export.ExportedProgram) -> Any:
@@ -248,5 +264,6 @@ ENGINE = EngineInfo(
     build=build,
     load=load,
     run_program=program_runner,
+    generation_precisions=("fp32", "bf16", "int8"),
     costs="a few seconds to convert and compile (int8: NNCF's quantization, seconds to a minute, once per try within the budget), twice (the example's shapes, other sizes: the weights twice in memory); the IR (.xml/.bin) holds the fp32 weights; no autograd, CPU only",
 )
