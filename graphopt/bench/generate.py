@@ -48,6 +48,8 @@ BOS, EOS = 1, 2  # every model's, so that prompts (ids from 3 up) never hold the
 HEAD_SPREAD = 2.0  # the standard deviation of the log of the factor each output head row is multiplied by
 TUNE_LOW_ACCURACY = 3e-2  # tune=True's budget that admits bf16 (graphopt.tuning.LOW_PRECISION_BOUNDS)
 Generate = Callable[[int], torch.Tensor]  # new tokens -> their ids (batch 1)
+# the clock every time is read from: a module attribute, so that tests replace it
+clock: Callable[[], float] = time.perf_counter
 
 
 def build_model(name: str, tiny: bool = False) -> nn.Module:
@@ -208,13 +210,13 @@ def _prepare(variant: Variant, setup: Setup, row: VariantRow, new_tokens: int) -
     """Build ``variant``, generate ``new_tokens`` once and one token once; fill ``row``'s setup time, notes and
     status; return the generator and its tokens (None, None when it was skipped or failed)."""
     setup.notes = []
-    started = time.perf_counter()
+    started = clock()
     try:
         with warnings.catch_warnings():  # exporters' tracer warnings, transformers' deprecations
             warnings.simplefilter("ignore")
             generate = variant.build(setup)
             tokens = generate(new_tokens)
-            row.setup_s = time.perf_counter() - started
+            row.setup_s = clock() - started
             generate(1)
     except VariantSkipped as reason:
         row.status, row.reason = "skipped", str(reason)
@@ -235,11 +237,11 @@ def _time(generators: dict[str, Generate], rows: dict[str, VariantRow], rounds: 
         for index in range(rounds):
             for key in round_order(list(active), index):
                 try:
-                    started = time.perf_counter()
+                    started = clock()
                     active[key](1)
-                    first = time.perf_counter()
+                    first = clock()
                     active[key](new_tokens)
-                    finished = time.perf_counter()
+                    finished = clock()
                 except Exception as error:  # noqa: BLE001 - a call that fails is that variant's result
                     rows[key].status, rows[key].reason = "failed", f"while timed: {error_summary(error)}"
                     rows[key].first_token_ms, rows[key].per_token_ms = [], []
