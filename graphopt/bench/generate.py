@@ -252,6 +252,13 @@ def _time(generators: dict[str, Generate], rows: dict[str, VariantRow], rounds: 
     return foreign.cores
 
 
+def same_tokens(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    """The fraction of ``reference``'s tokens that ``tokens`` holds at the same positions (a shorter output misses
+    the rest)."""
+    shared = min(len(tokens), len(reference))
+    return float((tokens[:shared] == reference[:shared]).sum()) / len(reference)
+
+
 def measure_model(name: str, chosen: Sequence[Variant], rounds: int, new_tokens: int, tiny: bool, log: Callable[[str], None]) -> ModelRows:
     """Build, check and time every chosen variant on one model."""
     try:
@@ -272,7 +279,7 @@ def measure_model(name: str, chosen: Sequence[Variant], rounds: int, new_tokens:
             generate, tokens = _prepare(variant, setup, row, new_tokens)
             if generate is not None and tokens is not None:
                 reference = tokens if reference is None else reference
-                row.same_tokens = float((tokens == reference).float().mean()) if tokens.shape == reference.shape else 0.0
+                row.same_tokens = same_tokens(tokens, reference)
                 generators[variant.key] = generate
             status = f"set up in {row.setup_s:.1f} s" if row.status == "ok" else f"{row.status}: {row.reason}"
             log(f"{name}: {variant.label}: {status}")

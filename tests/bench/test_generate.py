@@ -189,3 +189,9 @@ def test_options_of_other_benchmarks_are_refused(capsys: pytest.CaptureFixture[s
     assert "--batch, --device: not options of --generate" in capsys.readouterr().err
     assert cli.main(["bench", "--generate", "--models", "gpt3"]) == 2
     assert "unknown model(s) gpt3: --generate runs gpt2, llama, qwen2" in capsys.readouterr().err
+
+
+def test_same_tokens_counts_equal_positions_of_the_reference() -> None:
+    reference = torch.tensor([5, 6, 7, 8])
+    assert generate.same_tokens(torch.tensor([5, 0, 7, 8]), reference) == 0.75
+    assert generate.same_tokens(torch.tensor([5, 6]), reference) == 0.5  # stopped early: the missing tokens differ
