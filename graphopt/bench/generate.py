@@ -164,7 +164,8 @@ def _optimum_intel(precision: str) -> Callable[[Setup], Generate]:
         else:  # load_in_8bit=False: optimum-intel would compress the weights of a model over a billion parameters
             ov_config["INFERENCE_PRECISION_HINT"] = precision
             options = {"load_in_8bit": False}
-        model = OVModelForCausalLM.from_pretrained(saved, export=True, ov_config=ov_config, **options)
+        # the folder as a str: given a Path, optimum-intel's check for an already converted model calls str.replace on it
+        model = OVModelForCausalLM.from_pretrained(str(saved), export=True, ov_config=ov_config, **options)
         computed = model.request.get_compiled_model().get_property("INFERENCE_PRECISION_HINT")
         setup.notes.append(f"OpenVINO computes in {computed.get_type_name()}")
         return greedy(model.generate, setup.prompt)
