@@ -71,8 +71,8 @@ def build_model(name: str, tiny: bool = False) -> nn.Module:
     return sharpen_head(model.eval())
 
 
-def sharpen_head(model: nn.Module, spread: float = HEAD_SPREAD, seed: int = 0) -> nn.Module:
-    """Multiply each row of ``model``'s output head by ``exp(spread * z)``, z standard normal (seeded), in place.
+def sharpen_head(model: nn.Module) -> nn.Module:
+    """Multiply each row of ``model``'s output head by ``exp(HEAD_SPREAD * z)``, z standard normal (seed 0), in place.
 
     A random head gives every token a logit of the same distribution: the largest few lie close together, and a
     variant that only adds in another order can choose the runner-up. With rows of very different norms, as a trained
@@ -83,15 +83,15 @@ def sharpen_head(model: nn.Module, spread: float = HEAD_SPREAD, seed: int = 0) -
     head = model.get_output_embeddings().weight
     if head is model.get_input_embeddings().weight:
         raise ValueError("the output head shares its weight with the input embeddings: build the model with tie_word_embeddings=False")
-    factors = torch.exp(spread * torch.randn(head.shape[0], 1, generator=torch.Generator().manual_seed(seed)))
+    factors = torch.exp(HEAD_SPREAD * torch.randn(head.shape[0], 1, generator=torch.Generator().manual_seed(0)))
     with torch.no_grad():
         head.mul_(factors)
     return model
 
 
-def prompt(vocabulary: int, length: int = PROMPT_LENGTH) -> dict[str, torch.Tensor]:
-    """Batch 1, ``length`` token ids from 3 up (no special token), all attended."""
-    ids = torch.randint(3, vocabulary, (1, length), generator=torch.Generator().manual_seed(1))
+def prompt(vocabulary: int) -> dict[str, torch.Tensor]:
+    """Batch 1, `PROMPT_LENGTH` token ids from 3 up (no special token), all attended."""
+    ids = torch.randint(3, vocabulary, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
