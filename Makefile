@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-train bench-deploy bench-gpu clean
+.PHONY: venv test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-generate bench-train bench-deploy bench-gpu clean
 
 venv: $(STAMP)
 
@@ -19,10 +19,16 @@ $(CORE_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(CORE_STAMP)
 
+# optimum-intel, the peer of `make bench-generate` (its tests run in `make test`), without its declared dependencies:
+# they include torchvision, whose PyPI build replaces the CPU torch with a multi-GB CUDA one. The ones it uses come
+# with the generate-bench extra (in the test extra too).
+OPTIMUM_INTEL := optimum-intel==2.2.0
+
 # Order-only: a venv the test extra is already in needs nothing more for `make demo`, and the other way round
 # the extra is added to the core install; a change to pyproject.toml refreshes both.
 $(STAMP): pyproject.toml | $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps '$(OPTIMUM_INTEL)'
 	touch $(STAMP)
 
 # One pytest worker per core, a test file to a worker (its module fixtures are built once); see tests/conftest.py.
@@ -81,6 +87,22 @@ bench-reference: $(BENCH_STAMP)
 # graphopt against eager, torch.compile and onnxruntime, interleaved (about 10 minutes on 2 cores). BENCH_ARGS: e.g. "--rounds 20".
 bench-transformers: $(BENCH_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m graphopt.bench.transformers $(BENCH_ARGS)
+
+# Text generation: time to first token and per new token of GPT-2 124M, a small Llama and a Qwen2 (random weights
+# from configs, head sharpened), batch 1, 32-token prompt, 32 new tokens, greedy, 5 interleaved rounds: graphopt's
+# generate() (default, each engine, tune=True) against transformers eager fp32/bf16, static cache + torch.compile and
+# optimum-intel's OVModelForCausalLM f32, bf16 and int8 weights; bench-results/generate/bench.{json,md}.
+# BENCH_ARGS: e.g. "--models gpt2 --rounds 10", or "--quick" (tiny models: checks the run, measures nothing).
+# It needs the generate-bench extra and optimum-intel (see OPTIMUM_INTEL), not the test extra.
+GENERATE_BENCH_STAMP := $(VENV)/.graphopt-generate-bench-installed
+
+$(GENERATE_BENCH_STAMP): pyproject.toml | $(CORE_STAMP)
+	$(PY) -m pip install --quiet -e '.[generate-bench]'
+	$(PY) -m pip install --quiet --no-deps '$(OPTIMUM_INTEL)'
+	touch $(GENERATE_BENCH_STAMP)
+
+bench-generate: $(GENERATE_BENCH_STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/graphopt bench --generate $(BENCH_ARGS)
 
 # One training step (forward, cross-entropy, backward, SGD, zero_grad) of ResNet-50, MobileNetV2, ViT-B/16 (batch 8)
 # and a BERT-base fine-tuning step (batch 8, sequence 128, attention mask): graphopt's training call, default and

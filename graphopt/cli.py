@@ -11,6 +11,7 @@
     graphopt lint train.py [--fix] [--format json]
     graphopt demo [--model resnet]
     graphopt bench [--models reference|anchors|NAME,...|MODULE:FACTORY] [--quick] [--output-dir DIR]
+    graphopt bench --generate [--models gpt2,llama,qwen2] [--quick] [--output-dir DIR]
     graphopt passes
     graphopt --version
 
@@ -190,12 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, help="warm-up calls per variant after the first (default 3; --quick: 1)")
     bench.add_argument("--low-precision", choices=("bf16", "fp16"), help="dtype of the autocast/low-precision variants (default: bf16 where supported)")
     bench.add_argument("--time-budget", type=float, metavar="MINUTES", help="start no variant after this many minutes (the rest is listed as skipped)")
-    bench.add_argument("--output-dir", default="bench-results", metavar="DIR", help="where bench.json, bench.md and bench.png go")
+    bench.add_argument("--output-dir", metavar="DIR", help="where bench.json, bench.md and bench.png go (default bench-results; --generate: bench-results/generate)")
     bench.add_argument(
         "--quick",
         action="store_true",
         help=f"smoke run for CI, well under a minute: the smallest model (unless --models), batch 2, 2 rounds, the variants "
         f"{','.join(QUICK_VARIANTS)} (unless --variants); figures mean nothing",
+    )
+    bench.add_argument(
+        "--generate",
+        action="store_true",
+        help="time generate() of causal language models (GPT-2 124M, a small Llama, a Qwen2) against transformers and optimum-intel: time to "
+        "first token and per new token (make bench-generate); reads --models (gpt2,llama,qwen2), --rounds (default 5), --variants, --exclude, "
+        "--list-variants, --output-dir, and --quick (tiny 2-layer models, 1 round, 4 new tokens)",
     )
     bench.set_defaults(handler=bench_command)
 

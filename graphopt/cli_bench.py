@@ -21,6 +21,7 @@ from graphopt.bench.results import to_markdown
 from graphopt.bench.suite import QUICK_MODELS, Settings, run_suite
 from graphopt.bench.variants import variants as bench_variants
 from graphopt.cli_arguments import load_factory, parse_input_spec, split_names
+from graphopt.errors import InvalidOptionError
 from graphopt.models import get_reference_model
 from graphopt.runtime import OptimizedModule
 from graphopt.timing import median_latencies
@@ -81,7 +82,39 @@ def _bench_command_line(args: argparse.Namespace, settings: Settings, selection:
     return shlex.join(words)
 
 
+def _generate_bench(args: argparse.Namespace) -> int:
+    """``graphopt bench --generate``: `graphopt.bench.generate` with the options it reads; the others are refused."""
+    from graphopt.bench import generate
+
+    if args.list_variants:
+        for variant in generate.variants():
+            print(f"{variant.key:<22} {variant.role:<9} {variant.label}")
+        return 0
+    refused = [f"--{option.replace('_', '-')}" for option in ("input", "batch", "device", "warmup", "low_precision", "time_budget") if getattr(args, option) is not None]
+    if refused:
+        raise InvalidOptionError(f"{', '.join(refused)}: not options of --generate, which runs batch 1 on the CPU (see graphopt bench --help)")
+    models, rounds = split_names(args.models) or list(generate.MODELS), args.rounds or (1 if args.quick else 5)
+    new_tokens = generate.QUICK_NEW_TOKENS if args.quick else generate.NEW_TOKENS
+    output_dir = Path(args.output_dir or "bench-results/generate")
+    words = ["graphopt", "bench", "--generate", "--models", ",".join(models), "--rounds", str(rounds), "--output-dir", str(output_dir)]
+    for option in ("variants", "exclude"):
+        if getattr(args, option) is not None:
+            words += [f"--{option}", getattr(args, option)]
+    try:
+        result = generate.run(
+            models, rounds=rounds, new_tokens=new_tokens, patterns=split_names(args.variants), exclude=split_names(args.exclude) or (),
+            tiny=args.quick, output_dir=output_dir, command=shlex.join(words + (["--quick"] if args.quick else [])),
+        )  # fmt: skip
+    except ValueError as error:  # an unknown model or a pattern matching no variant
+        raise InvalidOptionError(str(error)) from error
+    print()
+    print(result.to_markdown())
+    return 0 if any(model.error is None for model in result.models) else 1
+
+
 def bench_command(args: argparse.Namespace) -> int:
+    if args.generate:
+        return _generate_bench(args)
     if args.list_variants:
         for variant in bench_variants(args.low_precision or "bf16"):
             print(f"{variant.key:<22} {variant.role:<9} {variant.label}")
@@ -94,7 +127,7 @@ def bench_command(args: argparse.Namespace) -> int:
         variants=split_names(args.variants) or defaults.variants,
         exclude=tuple(split_names(args.exclude) or ()),
         time_budget_s=None if args.time_budget is None else args.time_budget * 60,
-        output_dir=Path(args.output_dir),
+        output_dir=Path(args.output_dir or "bench-results"),
     )
     selection = args.models or (QUICK_MODELS if args.quick else "reference")
     models = select_models(selection, settings.batch, _bench_factory_model(args, settings.batch))

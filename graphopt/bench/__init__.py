@@ -6,6 +6,8 @@
 - `results`: the measurements, as JSON, markdown and a PNG plot.
 - `models`: which models to run (reference, anchors, names, MODULE:FACTORY).
 - `suite`: settings and the end-to-end run the command line calls.
+- `generate` (``graphopt bench --generate``): language models' ``generate()``, time to first token and per new
+  token, with its own rows (`generate_results`).
 """
 
 from graphopt.bench.harness import BenchModel, Harness
