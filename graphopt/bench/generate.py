@@ -190,7 +190,8 @@ def _graphopt(**options: Any) -> Callable[[Setup], Generate]:
 
 
 def variants() -> list[Variant]:
-    """Every variant, eager fp32 first; graphopt on each engine generation runs on besides the default."""
+    """Every variant, eager fp32 first; graphopt on each engine generation runs on besides the default, in each precision
+    it generates in."""
     engines = [name for name, info in ENGINES.items() if info.generates and name != DEFAULT_ENGINE]
     return [
         Variant("eager", "transformers eager fp32", "baseline", _eager),
@@ -202,6 +203,12 @@ def variants() -> list[Variant]:
         Variant("optimum-int8", "optimum-intel OVModelForCausalLM int8 weights", "peer", _optimum_intel("int8")),
         Variant("graphopt", "graphopt default", "graphopt", _graphopt()),
         *[Variant(f"graphopt-{name}", f'graphopt engine="{name}"', "graphopt", _graphopt(engine=name)) for name in engines],
+        *[
+            Variant(f"graphopt-{name}-{precision}", f'graphopt engine="{name}", precision="{precision}"', "graphopt", _graphopt(engine=name, precision=precision))
+            for name in engines
+            for precision in ENGINES[name].generation_precisions
+            if precision != "fp32"
+        ],
         Variant("graphopt-tune", "graphopt tune=True", "graphopt", _graphopt(tune=True)),
         Variant("graphopt-tune-low", f"graphopt tune=True, accuracy={TUNE_LOW_ACCURACY:g}", "graphopt", _graphopt(tune=True, accuracy=TUNE_LOW_ACCURACY)),
     ]

@@ -195,3 +195,9 @@ def test_same_tokens_counts_equal_positions_of_the_reference() -> None:
     reference = torch.tensor([5, 6, 7, 8])
     assert generate.same_tokens(torch.tensor([5, 0, 7, 8]), reference) == 0.75
     assert generate.same_tokens(torch.tensor([5, 6]), reference) == 0.5  # stopped early: the missing tokens differ
+
+
+def test_each_engine_generation_runs_on_is_a_variant_in_each_precision_it_generates_in() -> None:
+    keys = [variant.key for variant in generate.variants()]
+    assert keys[:2] == ["eager", "eager-again"] and len(set(keys)) == len(keys)
+    assert {"graphopt", "graphopt-openvino", "graphopt-openvino-int8", "graphopt-openvino-bf16", "graphopt-tune", "graphopt-tune-low"} <= set(keys)
