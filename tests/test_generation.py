@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -21,8 +22,9 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import timing, tuning
+from graphopt.backends import ENGINES
 from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
-from graphopt.report import Report
+from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
 VOCABULARY, POSITIONS, EOS = 100, 128, 2
@@ -65,6 +67,59 @@ def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.Optim
     calls_elsewhere = "engine='openvino' runs generate(); calls of the module run graphopt's PyTorch graph"
     assert (calls_elsewhere in fast.graphopt_report.notes) == (engine == "openvino") and fast.graphopt_report.engine is None
     return model, fast
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(pair, marks=[pytest.mark.slow] if ENGINES[pair[1]].compiles else []) for pair in [("gpt2", "onnxruntime")]],
+    ids="-".join,
+)
+def on_engine(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    """generate() on the engines the `optimized` fixture leaves out, one model each (one that compiles marked slow, as in
+    test_engines)."""
+    kind, engine = request.param
+    if ENGINES[engine].missing():
+        pytest.skip(ENGINES[engine].missing())
+    model = tiny(kind)
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
+    report = fast.graphopt_report
+    assert report.generation.engine == engine and report.engine is None and report.generation.max_error < 1e-4
+    assert f"engine={engine!r} runs generate(); calls of the module run graphopt's PyTorch graph" in report.notes
+    return model, fast
+
+
+def test_onnxruntime_generates_the_originals_tokens_greedy_and_sampled(on_engine: Any) -> None:
+    model, fast = on_engine
+    for batch, length, padded in [(3, 4, 0), (2, 11, 3)]:  # two prompt lengths, a left-padded batch of 2
+        ids, mask = prompt(batch, length, padded, seed=length)
+        assert torch.equal(fast.generate(ids, mask, max_new_tokens=12), original_generate(model, ids, mask, max_new_tokens=12))
+    ids, mask = prompt(2, 6, padded=1)
+    torch.manual_seed(0)
+    tokens = fast.generate(ids, mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20)
+    torch.manual_seed(0)
+    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20))
+    with pytest.raises(InputMismatchError, match=r"plus max_new_tokens=128 is 134 positions, beyond the model's 128"):
+        fast.generate(ids, mask, max_new_tokens=POSITIONS)
+
+
+def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates come from the registry (`EngineInfo.generates`). Each is built as optimize(engine=...) builds it, which
+    the fixtures check; here, to spare the builds, each candidate is a generator that is never run, under its engine's name."""
+    built = []
+
+    def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: Any, precision: str = "fp32") -> Any:
+        built.append(engine.name)
+        return graphopt.generation.Generator(None, owned.generation_config, GenerationReport(engine.name, precision, POSITIONS, 0, max_error=0.0))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graphopt.generation, "build", build)
+    monkeypatch.setattr(tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1e-3 if name.startswith("onnxruntime") else 2e-3] * 5 for name in runs}))
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, tune=True)
+    assert [name for name, info in ENGINES.items() if info.generates] == ["pytorch", "openvino", "onnxruntime"]
+    assert built == [name for name, info in ENGINES.items() if info.generates and not info.missing()] and "onnxruntime" in built
+    assert [row.name for row in fast.graphopt_report.tune.candidates] == [f"{name} fp32 generate" for name in ("pytorch", "openvino", "onnxruntime")]
+    assert fast.graphopt_report.tune.winner == "onnxruntime fp32 generate" and fast.graphopt_report.generation.engine == "onnxruntime"
 
 
 @pytest.mark.parametrize("batch, length, padded", [(1, 5, 0), (1, 11, 0), (2, 7, 3), (3, 1, 0)])
@@ -164,9 +219,11 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
         ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),
     ],
 )
-def test_options_generation_does_not_take_yet_are_refused_before_anything_runs(options: dict[str, Any], message: str) -> None:
+def test_options_generation_does_not_take_yet_are_refused_before_anything_runs(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], message: str) -> None:
     if options.get("engine") == "onnxruntime":
         pytest.importorskip("onnxruntime")  # installed by make test
+        # an engine that does not generate (one without run_program) is refused, naming those that do
+        monkeypatch.setitem(ENGINES, "onnxruntime", dataclasses.replace(ENGINES["onnxruntime"], run_program=None))
     ids, mask = prompt(1, 6)
     with pytest.raises(InvalidOptionError, match=message + r".*model.config.use_cache = False|" + message):
         graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, **options)
@@ -246,6 +303,8 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
         return timing.Ranking.of({name: [2e-3 if name.startswith("openvino") else 3e-3] * 5 for name in runs})
 
     monkeypatch.setattr(tuning, "measure_latencies", fake_timer)
+    for name in ("onnxruntime",):  # two real builds timed here; the others' builds are the on_engine fixture's
+        monkeypatch.setitem(ENGINES, name, dataclasses.replace(ENGINES[name], run_program=None))
     model = tiny("llama")
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True)
