@@ -71,12 +71,12 @@ def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.Optim
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(pair, marks=[pytest.mark.slow] if ENGINES[pair[1]].compiles else []) for pair in [("gpt2", "onnxruntime")]],
+    params=[pytest.param(pair, marks=[pytest.mark.slow] if ENGINES[pair[1]].compiles else []) for pair in [("gpt2", "onnxruntime"), ("llama", "inductor")]],
     ids="-".join,
 )
 def on_engine(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
-    """generate() on the engines the `optimized` fixture leaves out, one model each (one that compiles marked slow, as in
-    test_engines)."""
+    """generate() on the engines the `optimized` fixture leaves out, one model each (Inductor, which compiles for tens of
+    seconds, marked slow as in test_engines)."""
     kind, engine = request.param
     if ENGINES[engine].missing():
         pytest.skip(ENGINES[engine].missing())
@@ -89,7 +89,7 @@ def on_engine(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.Optim
     return model, fast
 
 
-def test_onnxruntime_generates_the_originals_tokens_greedy_and_sampled(on_engine: Any) -> None:
+def test_onnxruntime_and_inductor_generate_the_originals_tokens_greedy_and_sampled(on_engine: Any) -> None:
     model, fast = on_engine
     for batch, length, padded in [(3, 4, 0), (2, 11, 3)]:  # two prompt lengths, a left-padded batch of 2
         ids, mask = prompt(batch, length, padded, seed=length)
@@ -103,6 +103,20 @@ def test_onnxruntime_generates_the_originals_tokens_greedy_and_sampled(on_engine
         fast.generate(ids, mask, max_new_tokens=POSITIONS)
 
 
+def test_inductor_compiles_each_step_once_for_every_batch_and_length(on_engine: Any) -> None:
+    """Dynamo's counters: no compile at a new cache length, prompt length or batch size (of 2 or more, as compiled)."""
+    model, fast = on_engine
+    if fast.graphopt_report.generation.engine != "inductor":
+        pytest.skip("Inductor's compiles only")
+    from torch._dynamo.utils import counters
+
+    compiled = counters["stats"]["unique_graphs"]
+    for batch, length, padded in [(2, 3, 1), (4, 17, 5)]:
+        ids, mask = prompt(batch, length, padded, seed=length)
+        assert torch.equal(fast.generate(ids, mask, max_new_tokens=9), original_generate(model, ids, mask, max_new_tokens=9))
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     """The candidates come from the registry (`EngineInfo.generates`). Each is built as optimize(engine=...) builds it, which
     the fixtures check; here, to spare the builds, each candidate is a generator that is never run, under its engine's name."""
@@ -113,13 +127,13 @@ def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: 
         return graphopt.generation.Generator(None, owned.generation_config, GenerationReport(engine.name, precision, POSITIONS, 0, max_error=0.0))  # type: ignore[arg-type]
 
     monkeypatch.setattr(graphopt.generation, "build", build)
-    monkeypatch.setattr(tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1e-3 if name.startswith("onnxruntime") else 2e-3] * 5 for name in runs}))
+    monkeypatch.setattr(tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1e-3 if name.startswith("inductor") else 2e-3] * 5 for name in runs}))
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, tune=True)
-    assert [name for name, info in ENGINES.items() if info.generates] == ["pytorch", "openvino", "onnxruntime"]
-    assert built == [name for name, info in ENGINES.items() if info.generates and not info.missing()] and "onnxruntime" in built
-    assert [row.name for row in fast.graphopt_report.tune.candidates] == [f"{name} fp32 generate" for name in ("pytorch", "openvino", "onnxruntime")]
-    assert fast.graphopt_report.tune.winner == "onnxruntime fp32 generate" and fast.graphopt_report.generation.engine == "onnxruntime"
+    assert all(info.generates for info in ENGINES.values())
+    assert built == [name for name, info in ENGINES.items() if not info.missing()] and {"onnxruntime", "inductor"} <= set(built)
+    assert [row.name for row in fast.graphopt_report.tune.candidates] == [f"{name} fp32 generate" for name in ENGINES]
+    assert fast.graphopt_report.tune.winner == "inductor fp32 generate" and fast.graphopt_report.generation.engine == "inductor"
 
 
 @pytest.mark.parametrize("batch, length, padded", [(1, 5, 0), (1, 11, 0), (2, 7, 3), (3, 1, 0)])
@@ -214,7 +228,7 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' or 'openvino' so far\)"),
+        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch', 'openvino' or 'inductor' so far\)"),
         ({"precision": "bf16"}, r"does not take precision='bf16' \(generation computes in fp32 so far\)"),
         ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),
     ],
@@ -222,7 +236,7 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
 def test_options_generation_does_not_take_yet_are_refused_before_anything_runs(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], message: str) -> None:
     if options.get("engine") == "onnxruntime":
         pytest.importorskip("onnxruntime")  # installed by make test
-        # an engine that does not generate (one without run_program) is refused, naming those that do
+        # every engine generates today: one that does not (an engine without run_program) is refused, naming those that do
         monkeypatch.setitem(ENGINES, "onnxruntime", dataclasses.replace(ENGINES["onnxruntime"], run_program=None))
     ids, mask = prompt(1, 6)
     with pytest.raises(InvalidOptionError, match=message + r".*model.config.use_cache = False|" + message):
@@ -303,7 +317,7 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
         return timing.Ranking.of({name: [2e-3 if name.startswith("openvino") else 3e-3] * 5 for name in runs})
 
     monkeypatch.setattr(tuning, "measure_latencies", fake_timer)
-    for name in ("onnxruntime",):  # two real builds timed here; the others' builds are the on_engine fixture's
+    for name in ("onnxruntime", "inductor"):  # two real builds timed here; the others' builds are the on_engine fixture's
         monkeypatch.setitem(ENGINES, name, dataclasses.replace(ENGINES[name], run_program=None))
     model = tiny("llama")
     ids, mask = prompt(2, 6, padded=2)
