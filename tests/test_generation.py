@@ -103,6 +103,17 @@ def test_onnxruntime_and_inductor_generate_the_originals_tokens_greedy_and_sampl
         fast.generate(ids, mask, max_new_tokens=POSITIONS)
 
 
+def test_onnxruntime_and_inductor_generate_the_originals_tokens_from_threads_and_a_deep_copy(on_engine: Any) -> None:
+    """A server's threads share one optimized model and its copies (batches of 2 and 3: Inductor's compiled sizes)."""
+    model, fast = on_engine
+    copied = copy.deepcopy(fast)
+    prompts = [prompt(2 + index % 2, 4 + index, padded=index % 2, seed=index) for index in range(6)]
+    expected = [original_generate(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
+    assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
+
+
 def test_inductor_compiles_each_step_once_for_every_batch_and_length(on_engine: Any) -> None:
     """Dynamo's counters: no compile at a new cache length, prompt length or batch size (of 2 or more, as compiled)."""
     model, fast = on_engine
