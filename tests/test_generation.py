@@ -23,7 +23,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import timing, tuning
 from graphopt.backends import ENGINES
-from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
+from graphopt.errors import CaptureError, EngineError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
 from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
@@ -126,6 +126,28 @@ def test_inductor_compiles_each_step_once_for_every_batch_and_length(on_engine: 
         ids, mask = prompt(batch, length, padded, seed=length)
         assert torch.equal(fast.generate(ids, mask, max_new_tokens=9), original_generate(model, ids, mask, max_new_tokens=9))
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def _fail(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("unsupported op aten.made_up")
+
+
+@pytest.mark.parametrize(
+    "engine, break_tool, message",
+    [
+        ("onnxruntime", lambda patch: patch.setattr(torch.onnx, "export", _fail), r"engine='onnxruntime': torch.onnx.export could not export the generation step \(RuntimeError: unsupported op"),
+        # torch.compile's result fails at its first call, where Inductor compiles
+        ("inductor", lambda patch: patch.setattr(torch, "compile", lambda module, **options: _fail), r"engine='inductor' could not compile the generation step \(RuntimeError: unsupported op.*\): use another engine"),
+    ],
+)
+def test_an_engine_tool_that_fails_on_a_generation_step_raises_engine_error(monkeypatch: pytest.MonkeyPatch, engine: str, break_tool: Any, message: str) -> None:
+    if ENGINES[engine].missing():
+        pytest.skip(ENGINES[engine].missing())
+    ids, mask = prompt(2, 6, padded=2)
+    steps = graphopt.generation.capture_steps(tiny("gpt2"), ids, mask)
+    break_tool(monkeypatch)
+    with pytest.raises(EngineError, match=message):
+        ENGINES[engine].make_program_runner(steps.programs[0], "fp32", steps.outputs)
 
 
 def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
