@@ -160,7 +160,7 @@ class Steps:
 
 def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:
     """``steps`` run by ``engine``: torch.export's modules on the PyTorch engine, else each program handed to the engine
-    (`EngineInfo.run_program`: OpenVINO converts and compiles it for its dynamic shapes)."""
+    (`EngineInfo.run_program`: OpenVINO and Inductor compile it, onnxruntime exports it to ONNX, for its dynamic shapes)."""
     if engine.own_passes:
         return steps
     prefill, decode = (engine.make_program_runner(program, precision, steps.outputs) for program in steps.programs)

@@ -41,7 +41,8 @@ def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: Engin
     ids, mask = prompt_of(example_inputs)
     if not engine.own_passes:
         # transformers' SDPA attention, converted (OpenVINO), gives NaN for a left-padded row's fully masked positions (OpenVINO
-        # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead
+        # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead. One rule for
+        # every engine other than PyTorch (onnxruntime 1.32 gives the original's tokens with SDPA too)
         owned.set_attn_implementation("eager")
     steps = on_engine(capture_steps(owned, ids, mask), engine, precision)
     report = GenerationReport(engine.name, precision, steps.max_length, cache_bytes_per_token(owned))

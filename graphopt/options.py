@@ -275,10 +275,12 @@ def _check_tuning(accuracy: float | None, budget_s: float, precision: str) -> fl
 def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str, calibration: Any) -> bool:
     """A causal language model with its cache on gets generate() (True); what generation does not do yet is refused."""
     check_generation_model(model, training=mode == "training")
+    *others, last = [repr(engine.name) for engine in ENGINES.values() if engine.generates]
+    engines = f"{', '.join(others)} or {last}" if others else last
     unsupported = [
         text
         for text, given in (
-            (f"engine={info.name!r} (generation runs on engine={' or '.join(repr(engine.name) for engine in ENGINES.values() if engine.generates)} so far)", not info.generates),
+            (f"engine={info.name!r} (generation runs on engine={engines} so far)", not info.generates),
             (
                 f"precision={precision!r} on engine={info.name!r} (generation computes in "
                 + "; ".join(f"{', '.join(engine.generation_precisions)} on {engine.name}" for engine in ENGINES.values() if engine.generates)

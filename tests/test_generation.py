@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -21,8 +22,9 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import timing, tuning
-from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
-from graphopt.report import Report
+from graphopt.backends import ENGINES
+from graphopt.errors import CaptureError, EngineError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
+from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
 VOCABULARY, POSITIONS, EOS = 100, 128, 2
@@ -65,6 +67,105 @@ def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.Optim
     calls_elsewhere = "engine='openvino' runs generate(); calls of the module run graphopt's PyTorch graph"
     assert (calls_elsewhere in fast.graphopt_report.notes) == (engine == "openvino") and fast.graphopt_report.engine is None
     return model, fast
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(pair, marks=[pytest.mark.slow] if ENGINES[pair[1]].compiles else []) for pair in [("gpt2", "onnxruntime"), ("llama", "inductor")]],
+    ids="-".join,
+)
+def on_engine(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    """generate() on the engines the `optimized` fixture leaves out, one model each (Inductor, which compiles for tens of
+    seconds, marked slow as in test_engines)."""
+    kind, engine = request.param
+    if ENGINES[engine].missing():
+        pytest.skip(ENGINES[engine].missing())
+    model = tiny(kind)
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
+    report = fast.graphopt_report
+    assert report.generation.engine == engine and report.engine is None and report.generation.max_error < 1e-4
+    assert f"engine={engine!r} runs generate(); calls of the module run graphopt's PyTorch graph" in report.notes
+    return model, fast
+
+
+def test_onnxruntime_and_inductor_generate_the_originals_tokens_greedy_and_sampled(on_engine: Any) -> None:
+    model, fast = on_engine
+    for batch, length, padded in [(3, 4, 0), (2, 11, 3)]:  # two prompt lengths, a left-padded batch of 2
+        ids, mask = prompt(batch, length, padded, seed=length)
+        assert torch.equal(fast.generate(ids, mask, max_new_tokens=12), original_generate(model, ids, mask, max_new_tokens=12))
+    ids, mask = prompt(2, 6, padded=1)
+    torch.manual_seed(0)
+    tokens = fast.generate(ids, mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20)
+    torch.manual_seed(0)
+    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20))
+    with pytest.raises(InputMismatchError, match=r"plus max_new_tokens=128 is 134 positions, beyond the model's 128"):
+        fast.generate(ids, mask, max_new_tokens=POSITIONS)
+
+
+def test_onnxruntime_and_inductor_generate_the_originals_tokens_from_threads_and_a_deep_copy(on_engine: Any) -> None:
+    """A server's threads share one optimized model and its copies (batches of 2 and 3: Inductor's compiled sizes)."""
+    model, fast = on_engine
+    copied = copy.deepcopy(fast)
+    prompts = [prompt(2 + index % 2, 4 + index, padded=index % 2, seed=index) for index in range(6)]
+    expected = [original_generate(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
+    assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
+
+
+def test_no_engine_compiles_again_for_another_batch_or_length(on_engine: Any) -> None:
+    """Dynamo's counters: Inductor compiles no step again at a new cache length, prompt length or batch size (of 2 or
+    more, as compiled); onnxruntime, which runs its sessions' dynamic shapes, never calls Dynamo."""
+    model, fast = on_engine
+    from torch._dynamo.utils import counters
+
+    compiled = counters["stats"]["unique_graphs"]
+    for batch, length, padded in [(2, 3, 1), (4, 17, 5)]:
+        ids, mask = prompt(batch, length, padded, seed=length)
+        assert torch.equal(fast.generate(ids, mask, max_new_tokens=9), original_generate(model, ids, mask, max_new_tokens=9))
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
+def _fail(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("unsupported op aten.made_up")
+
+
+@pytest.mark.parametrize(
+    "engine, break_tool, message",
+    [
+        ("onnxruntime", lambda patch: patch.setattr(torch.onnx, "export", _fail), r"engine='onnxruntime': torch.onnx.export could not export the generation step \(RuntimeError: unsupported op"),
+        # torch.compile's result fails at its first call, where Inductor compiles
+        ("inductor", lambda patch: patch.setattr(torch, "compile", lambda module, **options: _fail), r"engine='inductor' could not compile the generation step \(RuntimeError: unsupported op.*\): use another engine"),
+    ],
+)
+def test_an_engine_tool_that_fails_on_a_generation_step_raises_engine_error(monkeypatch: pytest.MonkeyPatch, engine: str, break_tool: Any, message: str) -> None:
+    if ENGINES[engine].missing():
+        pytest.skip(ENGINES[engine].missing())
+    ids, mask = prompt(2, 6, padded=2)
+    steps = graphopt.generation.capture_steps(tiny("gpt2"), ids, mask)
+    break_tool(monkeypatch)
+    with pytest.raises(EngineError, match=message):
+        ENGINES[engine].make_program_runner(steps.programs[0], "fp32", steps.outputs)
+
+
+def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates come from the registry (`EngineInfo.generates`). Each is built as optimize(engine=...) builds it, which
+    the fixtures check; here, to spare the builds, each candidate is a generator that is never run, under its engine's name."""
+    built = []
+
+    def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: Any, precision: str = "fp32", accuracy: float | None = None) -> Any:
+        built.append(engine.name)
+        return graphopt.generation.Generator(None, owned.generation_config, GenerationReport(engine.name, precision, POSITIONS, 0, max_error=0.0))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graphopt.generation_build, "build", build)
+    monkeypatch.setattr(tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1e-3 if name.startswith("inductor") else 2e-3] * 5 for name in runs}))
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, tune=True)
+    assert all(info.generates for info in ENGINES.values())
+    assert built == [name for name, info in ENGINES.items() if not info.missing()] and {"onnxruntime", "inductor"} <= set(built)
+    assert [row.name for row in fast.graphopt_report.tune.candidates] == [f"{name} fp32 generate" for name in ENGINES]
+    assert fast.graphopt_report.tune.winner == "inductor fp32 generate" and fast.graphopt_report.generation.engine == "inductor"
 
 
 @pytest.mark.parametrize("batch, length, padded", [(1, 5, 0), (1, 11, 0), (2, 7, 3), (3, 1, 0)])
@@ -159,14 +260,16 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch' or 'openvino' so far\)"),
+        ({"engine": "onnxruntime"}, r"does not take engine='onnxruntime' \(generation runs on engine='pytorch', 'openvino' or 'inductor' so far\)"),
         ({"precision": "bf16"}, r"does not take precision='bf16' on engine='pytorch' \(generation computes in fp32 on pytorch; "),
         ({"mode": "training"}, r"generates with its key/value cache, which is for inference: call model.eval\(\)"),
     ],
 )
-def test_options_generation_does_not_take_yet_are_refused_before_anything_runs(options: dict[str, Any], message: str) -> None:
+def test_options_generation_does_not_take_yet_are_refused_before_anything_runs(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], message: str) -> None:
     if options.get("engine") == "onnxruntime":
         pytest.importorskip("onnxruntime")  # installed by make test
+        # every engine generates today: one that does not (an engine without run_program) is refused, naming those that do
+        monkeypatch.setitem(ENGINES, "onnxruntime", dataclasses.replace(ENGINES["onnxruntime"], run_program=None))
     ids, mask = prompt(1, 6)
     with pytest.raises(InvalidOptionError, match=message + r".*model.config.use_cache = False|" + message):
         graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, **options)
@@ -246,6 +349,8 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
         return timing.Ranking.of({name: [2e-3 if name.startswith("openvino") else 3e-3] * 5 for name in runs})
 
     monkeypatch.setattr(tuning, "measure_latencies", fake_timer)
+    for name in ("onnxruntime", "inductor"):  # two real builds timed here; the others' builds are the on_engine fixture's
+        monkeypatch.setitem(ENGINES, name, dataclasses.replace(ENGINES[name], run_program=None))
     model = tiny("llama")
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True)

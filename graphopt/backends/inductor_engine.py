@@ -27,16 +27,23 @@ again (a build's time on every load).
 Each call's inputs are made what the graph was compiled for (`_as_compiled`), or Dynamo's guards
 would compile it again. They still do (once each, then cached, without freezing) where a
 dynamic dimension has size 1 in a call but not in the example: Dynamo specializes sizes 0 and 1.
+
+A language model's generation steps (`program_runner`, `graphopt.generation`) are torch.export
+programs whose shapes change with every call: each program's module is compiled the same way
+(freezing, fullgraph, inference mode) with torch.export's dynamic dimensions marked dynamic, once
+for every batch size and prompt and cache length (`InductorStepRunner`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from graphopt.backends.engine import EngineInfo, EngineInput, EngineRunner, tensor_leaves
@@ -131,16 +138,78 @@ def _compile(graph_module: fx.GraphModule, example_inputs: tuple[Any, ...], dims
     for leaf, mine in zip(copies, dims, strict=True):
         if isinstance(leaf, torch.Tensor) and mine:
             torch._dynamo.mark_dynamic(leaf, sorted(mine))
+    with _compiling("graphopt's graph"):
+        runner.run_compiled(pytree.tree_unflatten(copies, spec))
+    return runner
+
+
+@contextlib.contextmanager
+def _compiling(what: str) -> Iterator[None]:
+    """Freezing on while the first call compiles (see `_compile`); Inductor's own error (no C++ compiler, an unsupported
+    op, a graph break) becomes `EngineError`, quoted, saying what to do."""
     from torch._inductor import config, exc  # here, not at the top: Inductor takes seconds to import, and only a build needs it
 
     try:
         with config.patch(freezing=True):
-            runner.run_compiled(pytree.tree_unflatten(copies, spec))
-    except Exception as error:  # Inductor's own error (no C++ compiler, an unsupported op, a graph break), quoted
+            yield
+    except Exception as error:
         cause = getattr(error, "inner_exception", None) or error  # Dynamo's wrapper around the backend's own error
         advice = "install a C++ compiler (g++ or clang) or use another engine" if isinstance(cause, exc.InvalidCxxCompiler) else "use another engine"
-        raise EngineError(f"engine='inductor' could not compile graphopt's graph ({error_summary(cause)}): {advice}") from error
-    return runner
+        raise EngineError(f"engine='inductor' could not compile {what} ({error_summary(cause)}): {advice}") from error
+
+
+class InductorStepRunner(EngineRunner):
+    """A language model's generation step (`graphopt.generation`: its shapes change with every call, the cache growing
+    a token per step) compiled by Inductor with freezing, once, for every batch size and prompt and cache length.
+
+    Compiled with the dimensions torch.export made dynamic marked dynamic, and without duck shaping (dimensions of one
+    size in the example, e.g. batch 2 and a prompt of 2 tokens, are not assumed equal), so that no later length compiles
+    again. Generation runs under ``torch.inference_mode`` and the decode step takes the cache the step before returned:
+    the compiled graph takes inference tensors, contiguous (Dynamo guards on both), and each call's inputs are made so
+    (free for the cache the compiled step returned; a copy of the prompt and of the prefill's strided cache).
+    Dynamo still specializes sizes 0 and 1: a batch of one prompt compiles each step once more (then cached, without
+    freezing).
+    """
+
+    engine = "inductor"
+
+    def __init__(self, program: torch.export.ExportedProgram, outputs: pytree.TreeSpec) -> None:
+        super().__init__()
+        self.outputs = outputs
+        # held, not registered: the runner's module tree stays out of the compiled graph's guards
+        object.__setattr__(self, "compiled", torch.compile(program.module(), fullgraph=True))
+        args, _ = program.example_inputs
+        with torch.inference_mode():  # copies: the marks stay off the program's example
+            leaves, spec = pytree.tree_flatten(pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.clone(memory_format=torch.contiguous_format), args))
+        placeholders = [node.meta["val"] for node in program.graph.find_nodes(op="placeholder") if node.name in set(program.graph_signature.user_inputs)]
+        for leaf, value in zip(leaves, placeholders, strict=True):
+            dynamic = [dim for dim, size in enumerate(value.shape) if not is_concrete_int(size)]
+            if dynamic:
+                torch._dynamo.mark_dynamic(leaf, dynamic)
+        from torch.fx.experimental import _config as shapes
+
+        with _compiling("the generation step"), shapes.patch(use_duck_shape=False), torch.inference_mode():
+            self.compiled(*pytree.tree_unflatten(leaves, spec))  # compiled now: the first call is as fast as the next
+
+    @staticmethod
+    def inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` as the compiled step takes them: inference tensors, contiguous."""
+        with torch.inference_mode():
+            return pytree.tree_map_only(
+                torch.Tensor, lambda tensor: tensor if tensor.is_inference() and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format), args
+            )
+
+    def run(self, args: tuple[Any, ...]) -> Any:
+        with torch.inference_mode():
+            return pytree.tree_unflatten(pytree.tree_leaves(self.compiled(*self.inputs(args))), self.outputs)
+
+
+def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> InductorStepRunner:
+    """A torch.export program whose shapes change with every call (a language model's prefill or decode step), compiled
+    now for its dynamic shapes (called through `EngineInfo.make_program_runner`)."""
+    if precision != "fp32":
+        raise EngineError(f"engine='inductor' runs a generation step in fp32, not {precision!r}")
+    return InductorStepRunner(program, outputs)
 
 
 def build(request: EngineInput) -> InductorRunner:
@@ -160,6 +229,7 @@ ENGINE = EngineInfo(
     compiles=True,
     build=build,
     load=load,
+    run_program=program_runner,
     costs="seconds to minutes of C++ compilation at every build and every load (needs a C++ compiler); "
     "saves no compiled code, only the graph; no autograd, CPU only",
 )

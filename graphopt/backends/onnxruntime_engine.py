@@ -21,6 +21,10 @@ the output over the budget are left out of quantization (found by the module pat
 exporter records in each node's metadata). `graphopt.export_onnx` writes this file for
 ``precision="int8"``.
 
+A language model's generation steps (`program_runner`, `graphopt.generation`: torch.export programs
+whose shapes change with every call, the cache as inputs and outputs) are exported the same way with
+their own dynamic dimensions (the batch, the prompt and cache lengths) and run by one session, for every size.
+
 The ``.onnx`` file (its weights in ``model.onnx.data`` beside it over protobuf's 2 GB, as
 `graphopt.export_onnx` writes them) lives in a temporary folder the runner owns, so that
 the weights are not held in memory twice; ``save`` copies it. onnxruntime reads the file
@@ -30,8 +34,11 @@ without running code from it: no custom-op library is ever registered with a ses
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,20 +77,22 @@ class OnnxRuntimeRunner(EngineRunner):
     One has the file's dynamic dimensions fixed to the example's sizes: with static shapes
     onnxruntime plans its memory and fuses once (EfficientNet-B0, batch 8: 75 ms against 83 ms
     for the dynamic session); calls of the example's shapes run on it, other sizes on the other.
+    ``example_shapes=None`` (a generation step, whose shapes change with every call): the dynamic session alone.
     """
 
     engine = "onnxruntime"
 
-    def __init__(self, files: tempfile.TemporaryDirectory[str], outputs: pytree.TreeSpec, example_shapes: Sequence[Sequence[int]]) -> None:
+    def __init__(self, files: tempfile.TemporaryDirectory[str], outputs: pytree.TreeSpec, example_shapes: Sequence[Sequence[int]] | None) -> None:
         super().__init__()
         self.files = files  # removed when the runner is collected
         self.outputs = outputs
-        self.example_shapes = tuple(tuple(shape) for shape in example_shapes)
+        self.example_shapes = None if example_shapes is None else tuple(tuple(shape) for shape in example_shapes)
         path = Path(files.name) / MODEL_FILE
         try:
             self.session = _session(path)
             specs = self.session.get_inputs()
-            sizes = {dim: size for spec, shape in zip(specs, self.example_shapes, strict=True) for dim, size in zip(spec.shape, shape, strict=True) if isinstance(dim, str)}
+            shapes = self.example_shapes or ()
+            sizes = {dim: size for spec, shape in zip(specs, shapes) for dim, size in zip(spec.shape, shape, strict=True) if isinstance(dim, str)}
             self.example_session = _session(path, sizes) if sizes else self.session
         except Exception as error:  # onnxruntime's own error, quoted
             raise EngineError(f"engine='onnxruntime' could not load the ONNX file of graphopt's graph ({error_summary(error)})") from error
@@ -146,6 +155,25 @@ def build(request: EngineInput) -> OnnxRuntimeRunner:
     if request.precision == "int8":
         return _int8(request, files, outputs, shapes)
     return OnnxRuntimeRunner(files, outputs, shapes)
+
+
+def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> OnnxRuntimeRunner:
+    """A torch.export program whose shapes change with every call (a language model's prefill or decode step, its cache
+    as inputs and outputs), exported to ONNX with its dynamic dimensions (the batch, the prompt and cache lengths) and
+    run by one session for every size (called through `EngineInfo.make_program_runner`)."""
+    if precision != "fp32":
+        raise EngineError(f"engine='onnxruntime' runs a generation step in fp32, not {precision!r}")
+    files = tempfile.TemporaryDirectory(prefix="graphopt-onnxruntime-")
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")  # the exporter's progress and deprecation chatter
+            exported = torch.onnx.export(program, dynamo=True, verbose=False)  # the program's own dynamic dimensions
+        assert exported is not None
+        exported.save(Path(files.name) / MODEL_FILE)
+    except Exception as error:  # the exporter's own error, quoted
+        files.cleanup()
+        raise EngineError(f"engine='onnxruntime': torch.onnx.export could not export the generation step ({error_summary(_innermost(error))})") from error
+    return OnnxRuntimeRunner(files, outputs, example_shapes=None)
 
 
 def _int8(request: EngineInput, float_files: tempfile.TemporaryDirectory[str], outputs: pytree.TreeSpec, shapes: list[tuple[int, ...]]) -> OnnxRuntimeRunner:
@@ -222,5 +250,6 @@ ENGINE = EngineInfo(
     requires="onnxruntime",
     build=build,
     load=load,
+    run_program=program_runner,
     costs="seconds to export to ONNX (int8: its quantizer calibrates, once per try within the budget); two sessions (the example's shapes, other sizes) hold the fp32 weights twice in memory; no autograd, CPU only",
 )
