@@ -123,6 +123,9 @@ class EngineInfo:
     # (torch.export program whose shapes change with every call, precision, output structure) -> runner: a language
     # model's generation steps (`graphopt.generation`); None: the engine does not run them
     run_program: Callable[[torch.export.ExportedProgram, str, pytree.TreeSpec], EngineRunner] | None = None
+    # (folder the runner run_program made wrote (EngineRunner.save), its settings, the program, the output structure) -> that
+    # runner again, for a saved generate() (`graphopt.generation_archive`); an engine with run_program has it
+    load_program: Callable[[Path, Mapping[str, Any], torch.export.ExportedProgram, pytree.TreeSpec], EngineRunner] | None = None
 
     @property
     def own_passes(self) -> bool:
