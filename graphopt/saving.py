@@ -27,9 +27,10 @@
   when loaded. Loading needs that engine installed; no engine runs code from its files.
 - A causal language model's ``generate()`` is written too (`graphopt.generation_archive`): its prefill and decode
   programs, each a torch.export archive of its own under ``graphopt-generation/``, checked as the file is (checksums,
-  `graphopt.load_safety`) before torch.export reads them, and the model's generation_config. `load` rebuilds generate()
-  on the engine the report names (OpenVINO compiles the programs again); `save` compares the loaded generate()'s
-  greedy tokens with the module's before moving the file into place.
+  `graphopt.load_safety`) before torch.export reads them, the model's generation_config and, on an engine other than
+  PyTorch, each step's own files (OpenVINO's IR), checksummed as a graph's engine files are. `load` rebuilds generate()
+  on the engine the report names; `save` compares the loaded generate()'s greedy tokens with the module's before
+  moving the file into place. `package` refuses such a module: a package holds the forward alone.
 - `package` compiles the graph ahead of time with AOTInductor
   (``torch._inductor.aoti_compile_and_package``) into a ``.pt2`` package that
   ``torch._inductor.aoti_load_package`` and the C++ runtime run without Python model code;
@@ -423,6 +424,11 @@ def package(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite:
     the package is checked against ``module`` before it is moved into place. Raises `SaveError`.
     """
     signature = _check_module(module, "graphopt.package")
+    if module.generator is not None:
+        raise SaveError(
+            "graphopt.package compiles the module's forward alone, not a language model's generate() (its prefill and decode "
+            "programs): graphopt.save keeps generate(), or package a module optimized with model.config.use_cache = False"
+        )
     destination = _destination(path, overwrite)
     program = _export(module, signature).run_decompositions(ATEN_DECOMPOSITIONS)
 

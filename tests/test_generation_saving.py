@@ -30,7 +30,7 @@ import graphopt
 from graphopt import cli
 from graphopt.archive_metadata import GenerationEntry, StepFiles
 from graphopt.backends import ENGINES
-from graphopt.errors import InputMismatchError, LoadError, ModeSwitchError
+from graphopt.errors import InputMismatchError, ModeSwitchError, SaveError
 from tests.test_archive_metadata import assert_refused, metadata_edit, metadata_of, set_key
 from tests.test_generation import original_generate, prompt, tiny
 from tests.test_load_safety import edited, json_edit
@@ -118,6 +118,12 @@ def test_the_loaded_report_and_refusals_are_the_saved_modules(name: str, saved: 
         fast.generate(*the_prompt(), max_new_tokens=500)
     assert fresh[name]["refusal"] == f"InputMismatchError: {refused.value}"
     assert "beyond the model's 128" in fresh[name]["refusal"]
+
+
+def test_packaging_a_module_with_generate_is_refused_saying_what_keeps_it(saved: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(SaveError, match=r"compiles the module's forward alone, not a language model's generate\(\).*graphopt.save keeps generate\(\)"):
+        graphopt.package(saved["gpt2-pytorch"]["module"], tmp_path / "lm-aoti.pt2")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_loaded_module_refuses_new_weights_and_devices_as_the_saved_one(saved: dict[str, Any]) -> None:
