@@ -26,7 +26,7 @@ try:
 except package_metadata.PackageNotFoundError:  # run from a source tree that was not installed
     GRAPHOPT_VERSION = "unknown"
 FORMAT = "graphopt.save"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the generation key (a language model's generate())
 METADATA_FILE = "graphopt.json"
 
 
@@ -36,6 +36,22 @@ class EngineEntry(TypedDict):
     name: str  # the engine's name in graphopt.backends.ENGINES
     settings: dict[str, Any]  # what its EngineRunner.save returned (the engine's own format: its loader reads it)
     files: dict[str, str]  # each file the engine wrote into the archive's engine folder: its SHA-256, in hex
+
+
+class StepFiles(TypedDict):
+    """A generation step's runner on an engine other than PyTorch: what its `EngineInfo.load_program` needs."""
+
+    settings: dict[str, Any]  # what its EngineRunner.save returned
+    files: dict[str, str]  # each file it wrote into the step's folder of the archive: its SHA-256, in hex
+
+
+class GenerationEntry(TypedDict):
+    """A causal language model's ``generate()`` (`graphopt.generation`): what rebuilds its `Generator`. The engine, its
+    precision and the position limit are the report's (``report.generation``)."""
+
+    programs: dict[str, str]  # the prefill's and decode's torch.export archives inside the archive: each one's SHA-256, in hex
+    generation_config: dict[str, Any]  # the model's transformers GenerationConfig.to_dict(): what a call leaves out
+    engine: dict[str, StepFiles] | None  # by step (prefill, decode); None: the steps run on PyTorch (torch.export's modules)
 
 
 class Metadata(TypedDict):
@@ -51,6 +67,7 @@ class Metadata(TypedDict):
     container_modules: list[str]  # the modules defining the inputs' and outputs' container classes, imported before reading
     inference_mode: bool  # OptimizedModule.inference_mode
     engine: EngineEntry | None  # None: the module runs on graphopt's own PyTorch runtime
+    generation: GenerationEntry | None  # None: the module has no generate()
 
 
 # how a message names a value's kind: JSON's names, by the Python types json.loads gives

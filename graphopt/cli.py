@@ -6,6 +6,7 @@
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 --precision int8 --calibration batches/ [--accuracy 5e-2]
                       (--calibration: a folder of .pt files, a .pt file of a list of batches, or MODULE:FUNCTION)
     graphopt run model.pt2 [--input 4x3x224x224] [--rounds 20] [--allow-import]   (a graphopt.save file or an AOTInductor package)
+    graphopt run lm.pt2 --generate [--prompt 15496,11,995|ids.pt] [--max-new-tokens 16] [--do-sample --seed 0] [--output tokens.pt]
     graphopt export MODULE:FACTORY OUT.onnx --input 8x3x224x224 [--precision fp16]
     graphopt diff MODULE:FACTORY --input 8x3x224x224 [--pass fold_conv_bn] [--html diff.html] [--drawing diff.png]
     graphopt lint train.py [--fix] [--format json]
@@ -48,7 +49,7 @@ from graphopt.cli_bench import bench_command, demo_command
 from graphopt.cli_lint import lint_command
 from graphopt.cli_listings import engines_command, passes_command
 from graphopt.cli_optimize import diff_command, export_command, optimize_command
-from graphopt.cli_run import _run_inputs, run_command  # _run_inputs: importable from graphopt.cli as before it moved
+from graphopt.cli_run import DEFAULT_NEW_TOKENS, DEFAULT_ROUNDS, _run_inputs, run_command  # _run_inputs: importable from graphopt.cli as before it moved
 from graphopt.drawing import FOLDS
 from graphopt.dynamic import DEFAULT
 from graphopt.errors import GraphoptError
@@ -132,8 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="import the modules of the file's input and output classes (e.g. transformers.modeling_outputs); this runs "
         "their code: only for files you trust",
     )
-    run_file.add_argument("--rounds", type=_positive_int, default=20, help="timed calls (default 20)")
-    run_file.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    run_file.add_argument("--rounds", type=_positive_int, help=f"timed calls (default {DEFAULT_ROUNDS})")
+    run_file.add_argument("--seed", type=int, default=0, help="seed of the random inputs (with --generate --do-sample: of the sampling)")
+    run_file.add_argument("--generate", action="store_true", help="a saved language model: generate token ids from --prompt (printed one sequence a line)")
+    run_file.add_argument(
+        "--prompt",
+        metavar="IDS|FILE.pt",
+        help="with --generate: token ids joined by commas (one prompt, e.g. 15496,11,995), or a .pt file of an integer tensor (batch, length) "
+        "or of a dict of input_ids and attention_mask (left-padded); default: the example's sizes, token 0",
+    )
+    run_file.add_argument("--max-new-tokens", type=_positive_int, help=f"with --generate: tokens generated per sequence (default {DEFAULT_NEW_TOKENS})")
+    run_file.add_argument("--do-sample", action="store_true", help="with --generate: sample (from --seed) instead of greedy")
+    run_file.add_argument("--output", metavar="PATH.pt", help="with --generate: also write the token ids (prompt included) with torch.save")
     run_file.set_defaults(handler=run_command)
 
     show = commands.add_parser("diff", help="optimize and show what changed in the graph (whole pipeline or one pass)")

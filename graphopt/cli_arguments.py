@@ -148,11 +148,11 @@ def load_calibration(source: str) -> list[Any]:
                 f"--calibration {source}: the folder holds no .pt file; save one batch per file in it, "
                 f"e.g. torch.save(batch, '{path / 'batch_000.pt'}')"
             )
-        return [_checked_batch(_saved_tensors(file), str(file)) for file in files]
+        return [_checked_batch(saved_tensors(file, "--calibration"), str(file)) for file in files]
     if path.suffix == ".pt":
         if not path.is_file():
             raise UsageError(f"--calibration {source}: no such file; give {CALIBRATION_SOURCES}")
-        saved = _saved_tensors(path)
+        saved = saved_tensors(path, "--calibration")
         if not isinstance(saved, list) or not saved:
             what = "an empty list" if isinstance(saved, list) else f"one {type(saved).__name__}"
             raise UsageError(
@@ -165,17 +165,17 @@ def load_calibration(source: str) -> list[Any]:
     raise UsageError(f"--calibration {source}: no such folder; give {CALIBRATION_SOURCES}")
 
 
-def _saved_tensors(file: Path) -> Any:
-    """What torch.save wrote to ``file``, read as tensors and containers only (on the CPU, where int8 runs)."""
+def saved_tensors(file: Path, option: str) -> Any:
+    """What torch.save wrote to ``file`` (given with ``option``), read as tensors and containers only, on the CPU."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # weights_only met an object it would have to run code to rebuild
         raise UsageError(
-            f"--calibration: {file} holds objects other than tensors, which graphopt does not load (loading them could run "
-            "code from the file): save batches as tensors, or tuples/lists/dicts of tensors (numpy arrays: torch.from_numpy first)"
+            f"{option}: {file} holds objects other than tensors, which graphopt does not load (loading them could run "
+            "code from the file): save tensors, or tuples/lists/dicts of tensors (numpy arrays: torch.from_numpy first)"
         ) from error
     except Exception as error:  # not a torch.save file at all
-        raise UsageError(f"--calibration: cannot read {file} as a torch.save file ({type(error).__name__}: {error})") from error
+        raise UsageError(f"{option}: cannot read {file} as a torch.save file ({type(error).__name__}: {error})") from error
 
 
 def _checked_batch(batch: Any, where: str) -> Any:

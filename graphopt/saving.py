@@ -25,6 +25,12 @@
   them and hands them to the engine's loader (`graphopt.backends.EngineInfo.load`). Engines
   whose compiled code is specific to the machine (Inductor) write no files and compile again
   when loaded. Loading needs that engine installed; no engine runs code from its files.
+- A causal language model's ``generate()`` is written too (`graphopt.generation_archive`): its prefill and decode
+  programs, each a torch.export archive of its own under ``graphopt-generation/``, checked as the file is (checksums,
+  `graphopt.load_safety`) before torch.export reads them, the model's generation_config and, on an engine other than
+  PyTorch, each step's own files (OpenVINO's IR), checksummed as a graph's engine files are. `load` rebuilds generate()
+  on the engine the report names; `save` compares the loaded generate()'s greedy tokens with the module's before
+  moving the file into place. `package` refuses such a module: a package holds the forward alone.
 - `package` compiles the graph ahead of time with AOTInductor
   (``torch._inductor.aoti_compile_and_package``) into a ``.pt2`` package that
   ``torch._inductor.aoti_load_package`` and the C++ runtime run without Python model code;
@@ -40,10 +46,8 @@ from __future__ import annotations
 
 import base64
 import copyreg
-import hashlib
 import json
 import os
-import re
 import tempfile
 import warnings
 import zipfile
@@ -56,8 +60,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from graphopt import archive_metadata, load_safety
-from graphopt.archive_metadata import FORMAT, FORMAT_VERSION, GRAPHOPT_VERSION, METADATA_FILE, EngineEntry, Metadata
+from graphopt import archive_files, archive_metadata, generation_archive, load_safety
+from graphopt.archive_metadata import FORMAT, FORMAT_VERSION, GRAPHOPT_VERSION, METADATA_FILE, EngineEntry, GenerationEntry, Metadata
 from graphopt.backends import ENGINES
 from graphopt.capture import one_at_a_time
 from graphopt.errors import LoadError, SaveError, error_summary
@@ -68,7 +72,6 @@ from graphopt.verify import compare
 
 FP32_WEIGHTS_FILE = "graphopt-fp32-weights.json"
 ENGINE_FOLDER = "graphopt-engine"  # inside the archive, beside torch.export's folders: the engine's own files
-ENGINE_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a plain file name: no folders, nothing hidden
 
 
 def _check_module(module: Any, what: str) -> InputSignature:
@@ -81,11 +84,6 @@ def _check_module(module: Any, what: str) -> InputSignature:
         )
     if module.input_signature is None:
         raise SaveError(f"{what} needs the calls the module accepts, and this module has no input signature: optimize the model again")
-    if module.generator is not None:
-        raise SaveError(
-            f"{what} cannot write a language model's generate() yet (its prefill and decode graphs): optimize the model again in "
-            "the process that generates, or, for its forward alone, save a module optimized with model.config.use_cache = False"
-        )
     if int8_modules(module.graph_module):
         raise SaveError(
             f"{what} cannot write int8 modules yet ({', '.join(int8_modules(module.graph_module)[:3])} run oneDNN's int8 kernels, which "
@@ -169,7 +167,9 @@ def _container_modules(spec: pytree.TreeSpec) -> set[str]:
     return found.union(*(_container_modules(child) for child in spec.children()))
 
 
-def _metadata(module: OptimizedModule, signature: InputSignature, program: ExportedProgram, engine: EngineEntry | None) -> Metadata:
+def _metadata(
+    module: OptimizedModule, signature: InputSignature, program: ExportedProgram, engine: EngineEntry | None, generation: GenerationEntry | None
+) -> Metadata:
     report = module.graphopt_report.to_dict()
     if module.graphopt_report.fusion is not None:
         report["fusion"] = None
@@ -193,6 +193,7 @@ def _metadata(module: OptimizedModule, signature: InputSignature, program: Expor
         container_modules=sorted(_container_modules(program.call_spec.in_spec) | _container_modules(program.call_spec.out_spec)),
         inference_mode=module.inference_mode,
         engine=engine,
+        generation=generation,
     )
 
 
@@ -206,18 +207,10 @@ def _engine_files(module: OptimizedModule, folder: Path) -> EngineEntry | None:
         settings = module.runner.save(folder)
     except Exception as error:
         raise SaveError(f"engine={engine.name!r} could not write its files ({error_summary(error)}). Nothing was written.") from error
-    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
-    if not all(path.is_file() and ENGINE_FILE_NAME.fullmatch(name) for name, path in ((name, folder / name) for name in files)):
-        raise SaveError(f"engine={engine.name!r} wrote {sorted(files)}: graphopt stores plain files only. Nothing was written.")
+    files = archive_files.checksums(folder)
+    if files is None:
+        raise SaveError(f"engine={engine.name!r} wrote {sorted(path.name for path in folder.iterdir())}: graphopt stores plain files only. Nothing was written.")
     return EngineEntry(name=engine.name, settings=settings, files=files)
-
-
-def _add_engine_files(staged: Path, folder: Path, entry: EngineEntry) -> None:
-    """Append the engine's files to the archive torch.export.save wrote, under its top folder."""
-    with zipfile.ZipFile(staged, "a", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-        top = archive.namelist()[0].partition("/")[0]
-        for name in entry["files"]:
-            archive.write(folder / name, f"{top}/{ENGINE_FOLDER}/{name}")
 
 
 def _engine_runner(source: Path, entry: EngineEntry, members: dict[str, str], graph_module: Any, signature: InputSignature) -> torch.nn.Module:
@@ -227,19 +220,10 @@ def _engine_runner(source: Path, entry: EngineEntry, members: dict[str, str], gr
     info = ENGINES[entry["name"]]
     if info.missing():
         raise LoadError(f"the module in {source} runs on {info.missing()}")
-    files = entry["files"]
-    stored = sorted(inner.removeprefix(f"{ENGINE_FOLDER}/") for inner in members if inner.startswith(f"{ENGINE_FOLDER}/"))
-    if sorted(files) != stored or not all(ENGINE_FILE_NAME.fullmatch(name) for name in stored):
-        raise LoadError(f"{source}: the engine's files in the archive ({stored}) are not those graphopt.save listed: the file was changed. Save the module again.")
-    with tempfile.TemporaryDirectory() as scratch, zipfile.ZipFile(source) as archive:
-        folder = Path(scratch)
-        for name, digest in files.items():
-            data = archive.read(members[f"{ENGINE_FOLDER}/{name}"])
-            if hashlib.sha256(data).hexdigest() != digest:
-                raise LoadError(f"{source}: the engine's file {name} does not match its checksum: the file was changed. Save the module again.")
-            (folder / name).write_bytes(data)
+    with tempfile.TemporaryDirectory() as scratch:
+        archive_files.extract(source, members, ENGINE_FOLDER, entry["files"], Path(scratch), "the engine")
         try:
-            return info.load(folder, entry["settings"], graph_module, signature.example_inputs())
+            return info.load(Path(scratch), entry["settings"], graph_module, signature.example_inputs())
         except Exception as error:
             raise LoadError(f"engine={info.name!r} could not load its files from {source} ({error_summary(error)})") from error
 
@@ -266,6 +250,46 @@ def _decode_tensors(text: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _write_checked(module: OptimizedModule, signature: InputSignature, program: ExportedProgram, destination: Path, scratch: Path) -> None:
+    """`save`'s writing: the program, graphopt's metadata and the files beside it (an engine's, generate()'s programs, written
+    first in folders of ``scratch``) into one archive beside ``destination``, loaded back and compared, then moved into place."""
+    engine_folder = scratch / "engine"
+    engine_folder.mkdir()
+    generation: GenerationEntry | None = None
+    generation_folders: dict[str, Path] = {}  # a folder of the archive: the folder in scratch its files are written to
+    if module.generator is not None:
+        generation, generation_folders = generation_archive.write(module.generator, scratch)
+    metadata = _metadata(module, signature, program, _engine_files(module, engine_folder), generation)
+    extra_files = {METADATA_FILE: json.dumps(metadata)}
+    fp32_weights = module.fp32_weights()
+    if fp32_weights:
+        extra_files[FP32_WEIGHTS_FILE] = _encode_tensors(fp32_weights)
+
+    def write(staged: Path) -> None:
+        try:
+            with warnings.catch_warnings():
+                # torch's check of whether a weight covers its storage misreads channels_last weights (which do); harmless on CPU
+                warnings.filterwarnings("ignore", "No complete tensor found in the group")
+                torch.export.save(program, staged, extra_files=extra_files)
+        except Exception as error:
+            raise SaveError(f"torch.export.save could not write the program ({error_summary(error)}). Nothing was written.") from error
+        if metadata["engine"] is not None:
+            archive_files.add(staged, ENGINE_FOLDER, engine_folder, list(metadata["engine"]["files"]))
+        for inner, folder in generation_folders.items():
+            archive_files.add(staged, inner, folder, sorted(path.name for path in folder.iterdir()))
+
+    def check(staged: Path) -> None:
+        try:
+            loaded = _read(staged)
+        except LoadError as error:
+            raise SaveError(f"graphopt.load refuses the file torch.export.save wrote ({error}). Nothing was written: please report this with the model.") from error
+        _compare_runs(module, loaded, signature, "the saved file")
+        if module.generator is not None:
+            generation_archive.compare(module.generator, loaded.generator)
+
+    _write_beside(destination, write, check)
+
+
 @one_at_a_time
 def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
     """Write ``module`` (from `graphopt.optimize`, for inference) to ``path``, a ``.pt2`` file `load` reads.
@@ -278,12 +302,6 @@ def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bo
     signature = _check_module(module, "graphopt.save")
     destination = _destination(path, overwrite)
     program = _export(module, signature)
-    engine_folder = tempfile.TemporaryDirectory(prefix=f".{destination.name}.engine.", dir=destination.parent)
-    metadata = _metadata(module, signature, program, _engine_files(module, Path(engine_folder.name)))
-    extra_files = {METADATA_FILE: json.dumps(metadata)}
-    fp32_weights = module.fp32_weights()
-    if fp32_weights:
-        extra_files[FP32_WEIGHTS_FILE] = _encode_tensors(fp32_weights)
     if module.graphopt_report.fusion is not None:
         warnings.warn(
             f"graphopt.save: fuse={module.graphopt_report.fusion.backend!r} is not saved (compiled code is specific to this process): the "
@@ -291,43 +309,9 @@ def save(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite: bo
             UserWarning,
             stacklevel=3,
         )
-
-    def write(staged: Path) -> None:
-        try:
-            with warnings.catch_warnings():
-                # torch's check of whether a weight covers its storage misreads channels_last weights (which do); harmless on CPU
-                warnings.filterwarnings("ignore", "No complete tensor found in the group")
-                torch.export.save(program, staged, extra_files=extra_files)
-        except Exception as error:
-            raise SaveError(f"torch.export.save could not write the program ({error_summary(error)}). Nothing was written.") from error
-        if metadata["engine"] is not None:
-            _add_engine_files(staged, Path(engine_folder.name), metadata["engine"])
-
-    def check(staged: Path) -> None:
-        try:
-            loaded = _read(staged)
-        except LoadError as error:
-            raise SaveError(f"graphopt.load refuses the file torch.export.save wrote ({error}). Nothing was written: please report this with the model.") from error
-        _compare_runs(module, loaded, signature, "the saved file")
-
-    with engine_folder:
-        _write_beside(destination, write, check)
+    with tempfile.TemporaryDirectory(prefix=f".{destination.name}.files.", dir=destination.parent) as scratch:
+        _write_checked(module, signature, program, destination, Path(scratch))
     return destination
-
-
-def _archive_members(source: Path) -> dict[str, str]:
-    """The archive's member names by their path inside it (without the archive's top folder); checks every checksum."""
-    try:
-        with zipfile.ZipFile(source) as archive:
-            damaged = archive.testzip()
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, EOFError) as error:
-        raise LoadError(f"{source} is not a complete .pt2 archive ({error}): the file is truncated or not one graphopt.save wrote. Save the module again.") from error
-    except Exception as error:  # zlib and struct errors of a damaged member
-        raise LoadError(f"{source} is damaged ({type(error).__name__}: {error}): save the module again") from error
-    if damaged is not None:
-        raise LoadError(f"{source} is damaged: {damaged} fails its checksum. Save the module again.")
-    return {name.partition("/")[2]: name for name in names}
 
 
 def is_aoti_package(path: str | os.PathLike[str]) -> bool:
@@ -346,7 +330,7 @@ def _is_aoti(inner_names: Any) -> bool:
 def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> tuple[Metadata, dict[str, torch.Tensor], dict[str, str]]:
     if not source.is_file():
         raise LoadError(f"no file at {source}: give the path graphopt.save wrote")
-    members = _archive_members(source)
+    members = archive_files.members(source)
     try:
         with zipfile.ZipFile(source) as archive:
             if f"extra/{METADATA_FILE}" not in members:
@@ -383,6 +367,10 @@ def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load
     runner = _engine_runner(source, metadata["engine"], members, graph_module, signature) if metadata["engine"] is not None else None
     module = OptimizedModule(graph_module, report, runner, original_keys=metadata["original_keys"], signature=signature)
     module.inference_mode = metadata["inference_mode"]
+    if metadata["generation"] is not None:
+        module.generator = generation_archive.read(source, metadata["generation"], members, report.generation)
+    elif report.generation is not None:
+        raise LoadError(f"{source}: its report has a generation, and its {METADATA_FILE} no generation entry: it was changed since graphopt.save wrote it. Save the module again.")
     return module
 
 
@@ -436,6 +424,11 @@ def package(module: OptimizedModule, path: str | os.PathLike[str], *, overwrite:
     the package is checked against ``module`` before it is moved into place. Raises `SaveError`.
     """
     signature = _check_module(module, "graphopt.package")
+    if module.generator is not None:
+        raise SaveError(
+            "graphopt.package compiles the module's forward alone, not a language model's generate() (its prefill and decode "
+            "programs): graphopt.save keeps generate(), or package a module optimized with model.config.use_cache = False"
+        )
     destination = _destination(path, overwrite)
     program = _export(module, signature).run_decompositions(ATEN_DECOMPOSITIONS)
 

@@ -24,7 +24,7 @@ LAYERS = {
         "graphopt", "graphopt.cli", "graphopt.cli_arguments", "graphopt.cli_optimize", "graphopt.cli_run", "graphopt.cli_bench", "graphopt.cli_lint",
         "graphopt.cli_listings", "graphopt.bench", "graphopt.lint", "graphopt.data",
     ),
-    "API": ("graphopt.api", "graphopt.options", "graphopt.stages", "graphopt.generation", "graphopt.generation_build", "graphopt.export", "graphopt.saving", "graphopt.load_safety", "graphopt.archive_metadata", "graphopt.tuning", "graphopt.precision"),
+    "API": ("graphopt.api", "graphopt.options", "graphopt.stages", "graphopt.generation", "graphopt.generation_build", "graphopt.export", "graphopt.saving", "graphopt.load_safety", "graphopt.archive_metadata", "graphopt.archive_files", "graphopt.generation_archive", "graphopt.tuning", "graphopt.precision"),
     "backends": ("graphopt.backends",),
     "pipeline": ("graphopt.pipeline", "graphopt.capture", "graphopt.validate", "graphopt.side_effects", "graphopt.user_objects", "graphopt.device"),
     "passes": ("graphopt.passes",),

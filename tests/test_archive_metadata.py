@@ -84,6 +84,7 @@ def test_every_kind_of_saved_module_writes_exactly_the_declared_metadata(options
         assert list(written["engine"]) == list(get_type_hints(EngineEntry)) and written["engine"]["files"]
     else:
         assert written["engine"] is None
+    assert written["generation"] is None  # a language model's: tests/test_generation_saving.py
 
 
 def assert_refused(path: Path, *expected: str) -> None:
@@ -123,6 +124,7 @@ WRONG_TYPES = [
     wrong("container_modules", "json", "a string"),
     wrong("inference_mode", 1, "an integer"),
     wrong("engine", "onnxruntime", "a string"),
+    wrong("generation", ["prefill.pt2"], "a list"),
 ]
 
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import timing, tuning
 from graphopt.backends import ENGINES
-from graphopt.errors import CaptureError, EngineError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, SaveError, VerificationError
+from graphopt.errors import CaptureError, EngineError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, VerificationError
 from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
@@ -309,13 +309,6 @@ def test_a_capture_that_fails_becomes_a_capture_error_with_the_fix(monkeypatch: 
     ids, mask = prompt(1, 6)
     with pytest.raises(CaptureError, match=r"could not capture GPT2LMHeadModel's generation step .*Set model.config.use_cache = False"):
         graphopt.generation.capture_steps(model, ids, mask)
-
-
-def test_saving_a_module_with_generate_is_refused_saying_what_to_do(optimized: Any, tmp_path: Any) -> None:
-    _, fast = optimized
-    with pytest.raises(SaveError, match=r"cannot write a language model's generate\(\) yet .*model.config.use_cache = False"):
-        graphopt.save(fast, tmp_path / "lm.pt2")
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_new_weights_or_another_device_are_refused_where_generate_would_not_see_them(optimized: Any) -> None:

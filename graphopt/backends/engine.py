@@ -125,6 +125,9 @@ class EngineInfo:
     run_program: Callable[[torch.export.ExportedProgram, str, pytree.TreeSpec], EngineRunner] | None = None
     # the precision= values `run_program` generates in (int8: the weights alone, compressed without calibration data)
     generation_precisions: tuple[str, ...] = ("fp32",)
+    # (folder the runner run_program made wrote (EngineRunner.save), its settings, the program, the output structure) -> that
+    # runner again, for a saved generate() (`graphopt.generation_archive`); an engine with run_program has it
+    load_program: Callable[[Path, Mapping[str, Any], torch.export.ExportedProgram, pytree.TreeSpec], EngineRunner] | None = None
 
     @property
     def own_passes(self) -> bool:

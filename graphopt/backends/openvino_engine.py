@@ -18,7 +18,8 @@ Converting from torch.export rather than OpenVINO's default TorchScript tracing 
 lets models that tracing fails on (ViT-B/16's ``nn.MultiheadAttention``) through.
 
 Saved as OpenVINO's IR (``model.xml`` and ``model.bin``, weights uncompressed), which
-``openvino.Core.read_model`` reads without running code from the file.
+``openvino.Core.read_model`` reads without running code from the file: a graph's (`load`), and
+each generation step's (`load_program`).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class OpenVINORunner(EngineRunner):
 
     def save(self, folder: Path) -> dict[str, Any]:
         _openvino().save_model(self.model, str(folder / MODEL_FILE), compress_to_fp16=False)
-        return {"precision": self.precision, "example_shapes": [list(shape) for shape in self.example_shapes], "files": [MODEL_FILE, "model.bin"]}
+        shapes = None if self.example_shapes is None else [list(shape) for shape in self.example_shapes]  # None: a generation step's
+        return {"precision": self.precision, "example_shapes": shapes, "files": [MODEL_FILE, "model.bin"]}
 
 
 def build(request: EngineInput) -> OpenVINORunner:
@@ -251,6 +253,13 @@ def load(folder: Path, settings: Mapping[str, Any], graph_module: fx.GraphModule
     return OpenVINORunner(model, settings["precision"], output_structure(graph_module, example_inputs), settings["example_shapes"])
 
 
+def load_program(folder: Path, settings: Mapping[str, Any], program: torch.export.ExportedProgram, outputs: pytree.TreeSpec) -> OpenVINORunner:
+    """The runner `program_runner` made, from the IR its `OpenVINORunner.save` wrote into ``folder``, compiled for this CPU
+    (the IR is ``program`` converted: it is not converted again)."""
+    _check_precision(settings["precision"])
+    return OpenVINORunner(core().read_model(str(folder / MODEL_FILE)), settings["precision"], outputs, example_shapes=None)
+
+
 def _shapes(example_inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(tensor.shape) for tensor in tensor_leaves(example_inputs)]
 
@@ -265,5 +274,6 @@ ENGINE = EngineInfo(
     load=load,
     run_program=program_runner,
     generation_precisions=("fp32", "bf16", "int8"),
+    load_program=load_program,
     costs="a few seconds to convert and compile (int8: NNCF's quantization, seconds to a minute, once per try within the budget), twice (the example's shapes, other sizes: the weights twice in memory); the IR (.xml/.bin) holds the fp32 weights; no autograd, CPU only",
 )
