@@ -39,6 +39,13 @@ COMPARED_NEW_TOKENS = 4  # greedy tokens `compare` asks of the saved and the loa
 def write(generator: generation.Generator, folder: Path) -> tuple[GenerationEntry, dict[str, Path]]:
     """Write ``generator``'s programs, and its engine's files, into folders of ``folder``: its metadata entry, and the
     folder of the archive each folder written goes to."""
+    info = ENGINES[generator.report.engine]
+    if not info.own_passes and info.load_program is None:
+        savable = " or ".join(repr(name) for name, engine in ENGINES.items() if engine.own_passes or engine.load_program is not None)
+        raise SaveError(
+            f"graphopt.save keeps generate() on engine={savable} so far, not on engine={info.name!r}: optimize with one of those engines to save it, "
+            "or optimize again in the process that generates. Nothing was written."
+        )
     try:
         config = generator.generation_config.to_dict()
         json.dumps(config)
