@@ -103,15 +103,20 @@ def test_onnxruntime_and_inductor_generate_the_originals_tokens_greedy_and_sampl
         fast.generate(ids, mask, max_new_tokens=POSITIONS)
 
 
-def test_onnxruntime_and_inductor_generate_the_originals_tokens_from_threads_and_a_deep_copy(on_engine: Any) -> None:
-    """A server's threads share one optimized model and its copies (batches of 2 and 3: Inductor's compiled sizes)."""
-    model, fast = on_engine
+def assert_threads_and_a_deep_copy_generate_the_originals_tokens(model: nn.Module, fast: graphopt.OptimizedModule, smallest_batch: int) -> None:
+    """Six prompts (batches of ``smallest_batch`` and one more, some left-padded) from three threads, on ``fast`` and on
+    its deep copy in turn: each gives the original's tokens."""
     copied = copy.deepcopy(fast)
-    prompts = [prompt(2 + index % 2, 4 + index, padded=index % 2, seed=index) for index in range(6)]
+    prompts = [prompt(smallest_batch + index % 2, 4 + index, padded=index % 2, seed=index) for index in range(6)]
     expected = [original_generate(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
     assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
+
+
+def test_onnxruntime_and_inductor_generate_the_originals_tokens_from_threads_and_a_deep_copy(on_engine: Any) -> None:
+    """A server's threads share one optimized model and its copies (batches of 2 and 3: Inductor's compiled sizes)."""
+    assert_threads_and_a_deep_copy_generate_the_originals_tokens(*on_engine, smallest_batch=2)
 
 
 def test_no_engine_compiles_again_for_another_batch_or_length(on_engine: Any) -> None:
@@ -321,13 +326,7 @@ def test_new_weights_or_another_device_are_refused_where_generate_would_not_see_
 
 def test_threads_and_a_deep_copy_generate_the_originals_tokens(optimized: Any) -> None:
     """A server's threads share one optimized model: each generate() keeps its own cache (and OpenVINO request)."""
-    model, fast = optimized
-    copied = copy.deepcopy(fast)
-    prompts = [prompt(1 + index % 2, 4 + index, padded=index % 2, seed=index) for index in range(6)]
-    expected = [original_generate(model, ids, mask, max_new_tokens=6) for ids, mask in prompts]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-        got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
-    assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
+    assert_threads_and_a_deep_copy_generate_the_originals_tokens(*optimized, smallest_batch=1)
 
 
 @pytest.mark.slow  # builds and verifies generation on both engines, twice

@@ -37,10 +37,8 @@ from tests.test_generation import original_generate, prompt, tiny
 from tests.test_load_safety import edited, json_edit
 
 OPENVINO = pytest.mark.skipif(bool(ENGINES["openvino"].missing()), reason="openvino is not installed")
-CASES = [
+CASES = [  # each model and each engine once (the suite's time: every case is optimized, saved and loaded)
     pytest.param("gpt2-pytorch", id="gpt2-pytorch"),
-    pytest.param("llama-pytorch", id="llama-pytorch"),
-    pytest.param("gpt2-openvino", id="gpt2-openvino", marks=OPENVINO),
     pytest.param("llama-openvino", id="llama-openvino", marks=OPENVINO),
 ]
 SAMPLING = {"do_sample": True, "top_k": 20, "temperature": 0.8}
@@ -216,7 +214,7 @@ def test_a_program_holding_a_pickle_is_refused_though_its_checksum_was_updated(s
 
 @OPENVINO
 def test_an_engine_file_of_a_step_changed_or_missing_is_refused(saved: dict[str, Any], tmp_path: Path) -> None:
-    path = saved["gpt2-openvino"]["path"]
+    path = saved["llama-openvino"]["path"]
     changed = edited(path, tmp_path / "changed.pt2", {"graphopt-generation-decode/model.bin": flipped})
     assert_refused(changed, "generate()'s decode step's file model.bin does not match its checksum", AGAIN)
     unlisted = edited(path, tmp_path / "unlisted.pt2", metadata_edit(set_key(("generation", "engine"), None)))
@@ -247,8 +245,9 @@ def test_graphopt_run_generates_in_a_fresh_process(saved: dict[str, Any], tmp_pa
     assert torch.equal(torch.load(tmp_path / "tokens.pt"), expected)
 
 
+@OPENVINO
 def test_graphopt_run_generates_greedy_from_token_ids_given_on_the_command_line(saved: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    model, path = saved["llama-pytorch"]["model"], saved["llama-pytorch"]["path"]
+    model, path = saved["llama-openvino"]["model"], saved["llama-openvino"]["path"]
     code, out, err = run(capsys, "run", str(path), "--generate", "--allow-import", "--prompt", "5,17,42", "--max-new-tokens", "4")
     assert code == 0, err
     expected = original_generate(model, torch.tensor([[5, 17, 42]]), torch.ones(1, 3, dtype=torch.long), max_new_tokens=4)
