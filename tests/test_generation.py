@@ -23,7 +23,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import timing, tuning
 from graphopt.backends import ENGINES
-from graphopt.errors import CaptureError, EngineError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, VerificationError
+from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, VerificationError
 from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
@@ -69,40 +69,6 @@ def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.Optim
     return model, fast
 
 
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param(pair, marks=[pytest.mark.slow] if ENGINES[pair[1]].compiles else []) for pair in [("gpt2", "onnxruntime"), ("llama", "inductor")]],
-    ids="-".join,
-)
-def on_engine(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
-    """generate() on the engines the `optimized` fixture leaves out, one model each (Inductor, which compiles for tens of
-    seconds, marked slow as in test_engines)."""
-    kind, engine = request.param
-    if ENGINES[engine].missing():
-        pytest.skip(ENGINES[engine].missing())
-    model = tiny(kind)
-    ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
-    report = fast.graphopt_report
-    assert report.generation.engine == engine and report.engine is None and report.generation.max_error < 1e-4
-    assert f"engine={engine!r} runs generate(); calls of the module run graphopt's PyTorch graph" in report.notes
-    return model, fast
-
-
-def test_onnxruntime_and_inductor_generate_the_originals_tokens_greedy_and_sampled(on_engine: Any) -> None:
-    model, fast = on_engine
-    for batch, length, padded in [(3, 4, 0), (2, 11, 3)]:  # two prompt lengths, a left-padded batch of 2
-        ids, mask = prompt(batch, length, padded, seed=length)
-        assert torch.equal(fast.generate(ids, mask, max_new_tokens=12), original_generate(model, ids, mask, max_new_tokens=12))
-    ids, mask = prompt(2, 6, padded=1)
-    torch.manual_seed(0)
-    tokens = fast.generate(ids, mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20)
-    torch.manual_seed(0)
-    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20))
-    with pytest.raises(InputMismatchError, match=r"plus max_new_tokens=128 is 134 positions, beyond the model's 128"):
-        fast.generate(ids, mask, max_new_tokens=POSITIONS)
-
-
 def assert_threads_and_a_deep_copy_generate_the_originals_tokens(model: nn.Module, fast: graphopt.OptimizedModule, smallest_batch: int) -> None:
     """Six prompts (batches of ``smallest_batch`` and one more, some left-padded) from three threads, on ``fast`` and on
     its deep copy in turn: each gives the original's tokens."""
@@ -112,46 +78,6 @@ def assert_threads_and_a_deep_copy_generate_the_originals_tokens(model: nn.Modul
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         got = list(pool.map(lambda index: (fast if index % 2 else copied).generate(*prompts[index], max_new_tokens=6), range(len(prompts))))
     assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
-
-
-def test_onnxruntime_and_inductor_generate_the_originals_tokens_from_threads_and_a_deep_copy(on_engine: Any) -> None:
-    """A server's threads share one optimized model and its copies (batches of 2 and 3: Inductor's compiled sizes)."""
-    assert_threads_and_a_deep_copy_generate_the_originals_tokens(*on_engine, smallest_batch=2)
-
-
-def test_no_engine_compiles_again_for_another_batch_or_length(on_engine: Any) -> None:
-    """Dynamo's counters: Inductor compiles no step again at a new cache length, prompt length or batch size (of 2 or
-    more, as compiled); onnxruntime, which runs its sessions' dynamic shapes, never calls Dynamo."""
-    model, fast = on_engine
-    from torch._dynamo.utils import counters
-
-    compiled = counters["stats"]["unique_graphs"]
-    for batch, length, padded in [(2, 3, 1), (4, 17, 5)]:
-        ids, mask = prompt(batch, length, padded, seed=length)
-        assert torch.equal(fast.generate(ids, mask, max_new_tokens=9), original_generate(model, ids, mask, max_new_tokens=9))
-    assert counters["stats"]["unique_graphs"] == compiled
-
-
-def _fail(*args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError("unsupported op aten.made_up")
-
-
-@pytest.mark.parametrize(
-    "engine, break_tool, message",
-    [
-        ("onnxruntime", lambda patch: patch.setattr(torch.onnx, "export", _fail), r"engine='onnxruntime': torch.onnx.export could not export the generation step \(RuntimeError: unsupported op"),
-        # torch.compile's result fails at its first call, where Inductor compiles
-        ("inductor", lambda patch: patch.setattr(torch, "compile", lambda module, **options: _fail), r"engine='inductor' could not compile the generation step \(RuntimeError: unsupported op.*\): use another engine"),
-    ],
-)
-def test_an_engine_tool_that_fails_on_a_generation_step_raises_engine_error(monkeypatch: pytest.MonkeyPatch, engine: str, break_tool: Any, message: str) -> None:
-    if ENGINES[engine].missing():
-        pytest.skip(ENGINES[engine].missing())
-    ids, mask = prompt(2, 6, padded=2)
-    steps = graphopt.generation.capture_steps(tiny("gpt2"), ids, mask)
-    break_tool(monkeypatch)
-    with pytest.raises(EngineError, match=message):
-        ENGINES[engine].make_program_runner(steps.programs[0], "fp32", steps.outputs)
 
 
 def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
