@@ -200,7 +200,12 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
     verified. The calls run graphopt's PyTorch graph whatever the engine (the report says so)."""
     optimized = _calls_without_cache(model, example_inputs, options, shared)
     owned = prepare(model, example_inputs, dataclasses.replace(options, int8=False)).owned  # int8 generation needs no calibration
-    return _with_generator(optimized, generation_build.build(model, example_inputs, owned, options.info, options.precision, options.int8_accuracy))
+    return _with_generator(optimized, generation_build.build(model, example_inputs, owned, options.info, options.precision, options.int8_accuracy, _step_passes(options)))
+
+
+def _step_passes(options: Options) -> generation_build.StepPasses:
+    """The passes the generation graphs go through on the PyTorch engine: those ``optimize`` selected for inference."""
+    return generation_build.StepPasses(options.pass_infos, options.remeasure)
 
 
 def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
@@ -231,7 +236,7 @@ def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -
 
     def build(engine: EngineInfo, precision: str) -> generation.Generator:
         owned = prepare(model, example_inputs, dataclasses.replace(options, int8=False)).owned
-        return generation_build.build(model, example_inputs, owned, engine, precision, options.tune_accuracy)
+        return generation_build.build(model, example_inputs, owned, engine, precision, options.tune_accuracy, _step_passes(options))
 
     def generate(generator: generation.Generator) -> Any:
         return generator.generate(ids, mask, max_new_tokens=tuning.TUNE_NEW_TOKENS, min_new_tokens=tuning.TUNE_NEW_TOKENS)

@@ -20,6 +20,8 @@ the original's own ``generate()``.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,18 +83,34 @@ def check_model(model: nn.Module, training: bool) -> None:
 
 
 class _Prefill(nn.Module):
-    """The prompt -> the last position's logits, each layer's keys and values."""
+    """The prompt -> the last position's logits (the only ones computed, where the model takes ``logits_to_keep``),
+    each layer's keys and values."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         layers, heads, size = _cache_shape(self.model)
         empty = torch.zeros((input_ids.shape[0], heads, 0, size), dtype=next(self.model.parameters()).dtype)
         cache = _filled_cache(self.model, [empty] * layers, [empty] * layers)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        mask = _prompt_attention(attention_mask) if getattr(self.model.config, "_attn_implementation", None) == "sdpa" else attention_mask
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True, **self.last_logits_only
+        )
         return (out.logits[:, -1, :], *_cache_tensors(out.past_key_values))
+
+
+def _prompt_attention(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The prompt's attention as scaled_dot_product_attention takes it (batch, 1, query, key; True: attended): causal,
+    without the pad tokens, except that a pad token attends to itself. No query is then left with nothing to attend to:
+    converted by OpenVINO, such a query gives NaN, which the pad position's keys and values carry into the tokens after
+    it (torch gives zeros). What a pad position computes is read by no other token: the results are unchanged."""
+    length = attention_mask.shape[1]
+    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    causal = (key <= query)[None, None]
+    return (causal & attention_mask.bool()[:, None, None, :]) | (key == query)[None, None]
 
 
 class _Decode(nn.Module):
@@ -156,6 +174,7 @@ class Steps:
     max_length: int  # prompt + new tokens: the model's position limit
     programs: tuple[torch.export.ExportedProgram, torch.export.ExportedProgram]
     outputs: Any  # the steps' output structure (logits, keys, values) as a pytree spec
+    examples: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())  # each step's arguments at capture (what graphopt's passes run on)
 
 
 def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:
@@ -164,12 +183,13 @@ def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:
     if engine.own_passes:
         return steps
     prefill, decode = (engine.make_program_runner(program, precision, steps.outputs) for program in steps.programs)
-    return Steps(prefill, decode, steps.max_length, steps.programs, steps.outputs)
+    return dataclasses.replace(steps, prefill=prefill, decode=decode)
 
 
 def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Steps:
     """Export the prefill and decode graphs of ``model`` (a copy graphopt owns), with the batch size, the prompt length
     and the cache length dynamic; `CaptureError` where torch.export cannot."""
+    _conv1d_as_linear(model)
     ids, mask = _at_least_two(input_ids, attention_mask)
     ids, mask = ids.repeat(2, 1)[: max(2, len(ids))], mask.repeat(2, 1)[: max(2, len(mask))]  # batch 2: not specialised to 1
     position_ids = positions(mask)
@@ -182,9 +202,10 @@ def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             token = logits.argmax(-1, keepdim=True)
             grown = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             cache_dims = [{0: batch, 2: cached}] * len(keys)
+            decode_example = (token, grown, positions(grown)[:, -1:], keys, values)
             decode = torch.export.export(
                 _Decode(model),
-                (token, grown, positions(grown)[:, -1:], keys, values),
+                decode_example,
                 dynamic_shapes=({0: batch}, {0: batch, 1: cached}, {0: batch}, cache_dims, cache_dims),
                 strict=False,
             )
@@ -197,7 +218,24 @@ def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             "Set model.config.use_cache = False to optimize its forward (scoring, no generation), and please report the model"
         ) from error
     outputs = pytree.tree_flatten((logits, keys, values))[1]
-    return Steps(prefill.module(), decode.module(), max_length, (prefill, decode), outputs)
+    return Steps(prefill.module(), decode.module(), max_length, (prefill, decode), outputs, ((ids, mask, position_ids), decode_example))
+
+
+def _conv1d_as_linear(model: nn.Module) -> None:
+    """Each transformers ``Conv1D`` of ``model`` (GPT-2's: a linear whose weight is stored input-major, run by
+    ``torch.addmm``) replaced by the ``nn.Linear`` it computes, its weight transposed once: the graphs then hold linears,
+    which graphopt's passes can hand to oneDNN."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is Conv1D:
+                linear = nn.Linear(child.nx, child.nf, device="meta")
+                linear.weight = nn.Parameter(child.weight.detach().t().contiguous(), requires_grad=child.weight.requires_grad)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
 
 
 def _at_least_two(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ example prompt and on a second one (another batch size and length, left-padded):
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +25,10 @@ import torch.nn as nn
 
 from graphopt import verify as verify_outputs
 from graphopt.backends import EngineInfo
-from graphopt.errors import VerificationError
-from graphopt.generation import Generator, State, neutral_config, pad_token, cache_bytes_per_token, capture_steps, on_engine, positions, prompt_of, timed_steps
+from graphopt.errors import VerificationError, VerificationWarning, warn_at_caller
+from graphopt.generation import Generator, State, Steps, neutral_config, pad_token, cache_bytes_per_token, capture_steps, on_engine, positions, prompt_of, timed_steps
+from graphopt.passes import PassContext, PassInfo
+from graphopt.pipeline import run_passes
 from graphopt.precision import DEFAULT_INT8_ACCURACY
 from graphopt.report import GenerationReport
 
@@ -34,32 +38,83 @@ _COMPUTES_IN = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}
 Prompt = tuple[str, torch.Tensor, torch.Tensor]  # (description, input_ids, attention_mask)
 
 
-def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: EngineInfo, precision: str = "fp32", accuracy: float | None = None) -> Generator:
+@dataclass(frozen=True)
+class StepPasses:
+    """graphopt's passes for the prefill and decode graphs on the PyTorch engine (`optimize`'s selection), and how its
+    measured kernel choices are timed."""
+
+    infos: Sequence[PassInfo]
+    remeasure: bool = False
+
+
+def build(
+    model: nn.Module, example_inputs: Any, owned: nn.Module, engine: EngineInfo, precision: str = "fp32", accuracy: float | None = None,
+    passes: StepPasses | None = None,
+) -> Generator:
     """``generate()`` for ``model`` (the caller's, only read) on graphs captured from ``owned`` (graphopt's copy of it),
     on ``engine`` in ``precision`` (int8: ``accuracy`` is its budget), verified against the original's own ``generate()``;
-    its `GenerationReport` says how."""
+    its `GenerationReport` says how. On the PyTorch engine the graphs go through ``passes`` first; where the result fails
+    verification, the passes are rolled back (a `VerificationWarning` says why) and the graphs run as captured."""
     ids, mask = prompt_of(example_inputs)
-    if not engine.own_passes:
-        # transformers' SDPA attention, converted (OpenVINO), gives NaN for a left-padded row's fully masked positions (OpenVINO
-        # 2026.4), and the NaN reaches the row's tokens; its eager attention masks with a finite minimum instead. One rule for
-        # every engine other than PyTorch (onnxruntime 1.32 gives the original's tokens with SDPA too)
-        owned.set_attn_implementation("eager")
-    steps = on_engine(capture_steps(owned, ids, mask), engine, precision)
-    report = GenerationReport(engine.name, precision, steps.max_length, cache_bytes_per_token(owned))
-    generator = Generator(steps, owned.generation_config, report)
-    vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
-    prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]
-    fits = [prompt for prompt in prompts if prompt[1].shape[1] + VERIFY_NEW_TOKENS <= steps.max_length]
+    captured = capture_steps(owned, ids, mask)
+    report = GenerationReport(engine.name, precision, captured.max_length, cache_bytes_per_token(owned))
     # verified greedy, without what the model's generation_config may add that generate() refuses (repetition_penalty)
     original = copy.deepcopy(model).eval()
     original.generation_config = neutral_config(owned.generation_config)
+    vocabulary = owned.get_output_embeddings().weight.shape[0] if owned.get_output_embeddings() is not None else int(ids.max()) + 1
+    prompts = [("the example prompt", ids, mask), ("a second prompt (another batch size and length, left-padded)", *second_prompt(ids, mask, vocabulary))]
+    fits = [prompt for prompt in prompts if prompt[1].shape[1] + VERIFY_NEW_TOKENS <= captured.max_length]
     report.tolerance = tolerance(original, precision, accuracy, fits[:1])
-    errors, report.ties = verify_generation(original, Generator(steps, original.generation_config, report), fits, precision, report.tolerance)
+    if not engine.own_passes:
+        return _verified(original, on_engine(captured, engine, precision), report, fits, owned.generation_config)
+    steps, report.passes = with_passes(captured, passes) if passes is not None else (captured, [])
+    try:
+        return _verified(original, steps, report, fits, owned.generation_config)
+    except VerificationError as error:
+        if not report.passes:
+            raise
+        warn_at_caller(
+            f"graphopt rolled back its passes on the generation graphs, which failed verification: {error.reason}. generate() runs the "
+            "graphs as captured; please report the model.",
+            VerificationWarning,
+        )
+        report.passes = [f"rolled back, failing verification ({error.reason})"]
+        return _verified(original, as_captured(captured), report, fits, owned.generation_config)
+
+
+def _verified(original: nn.Module, steps: Steps, report: GenerationReport, prompts: Sequence[Prompt], generation_config: Any) -> Generator:
+    """The `Generator` on ``steps``, verified against ``original`` on ``prompts`` (`verify_generation`), its report filled."""
+    precision = report.precision
+    assert report.tolerance is not None
+    errors, report.ties = verify_generation(original, Generator(steps, original.generation_config, report), prompts, precision, report.tolerance)
     sampling = ["seeded sampling on the example prompt"] if precision == "fp32" else []
-    report.verified = [f"greedy on {description}" for description, _, _ in fits] + sampling * bool(fits)
+    report.verified = [f"greedy on {description}" for description, _, _ in prompts] + sampling * bool(prompts)
     report.max_error = max(errors, default=None)
-    report.prefill_seconds, report.token_seconds = timed_steps(generator, ids, mask, VERIFY_NEW_TOKENS)
+    generator = Generator(steps, generation_config, report)
+    report.prefill_seconds, report.token_seconds = timed_steps(generator, *prompts[0][1:], VERIFY_NEW_TOKENS) if prompts else (0.0, 0.0)
     return generator
+
+
+def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
+    """``steps`` with each graph after ``passes`` (run on the step's arguments at capture), and what each pass changed.
+
+    The passes that decide by timing the whole graph (`PassInfo.measured`) are left out: a step's graph is mostly its
+    weights' matrix multiplications, which `use_onednn_linear` times one by one; the end-to-end verification of
+    generate() stands for the checks `graphopt.pipeline` would run after each pass."""
+    infos = [info for info in passes.infos if not info.measured]
+    graphs, changed = [], []
+    for name, graph, example in zip(("prefill", "decode"), (steps.prefill, steps.decode), steps.examples, strict=True):
+        context = PassContext(mode="inference", example_inputs=example, measure=True, remeasure=passes.remeasure)
+        graph, reports, _, _ = run_passes(graph, infos, context, None)
+        graphs.append(graph)
+        changed += [f"{name}: {report.name} ({len(report.rewrites)} rewrite(s))" for report in reports if report.rewrites]
+    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1]), changed
+
+
+def as_captured(steps: Steps) -> Steps:
+    """``steps`` running torch.export's modules of its programs, as captured (after passes that failed verification)."""
+    prefill, decode = (program.module() for program in steps.programs)
+    return dataclasses.replace(steps, prefill=prefill, decode=decode)
 
 
 def tolerance(original: nn.Module, precision: str, accuracy: float | None, prompts: Sequence[Prompt]) -> float:

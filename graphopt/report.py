@@ -232,6 +232,7 @@ class GenerationReport:
     max_error: float | None = None  # the largest logit error of any step, relative to the logits' scale
     tolerance: float | None = None  # the logit error allowed: fp32's, twice autocast's in bf16, the accuracy budget in int8
     ties: list[str] = field(default_factory=list)  # low precision: where a token differs from the original's, at a tie
+    passes: list[str] = field(default_factory=list)  # the PyTorch engine: what graphopt's passes changed in each graph
 
     def lines(self) -> list[str]:
         exact = "tokens equal to the original's" if self.precision == "fp32" else "tokens equal to the original's up to a tie"
@@ -242,6 +243,8 @@ class GenerationReport:
             f"cache {self.cache_bytes_per_token} bytes per token per sequence",
             f"    prefill {self.prefill_seconds * 1e3:.2f} ms on the example prompt, {self.token_seconds * 1e3:.2f} ms per new token; {verified}{error}",
         ]
+        if self.passes:
+            lines.append(f"    graphopt's passes on the graphs: {'; '.join(self.passes)}")
         return lines + [f"    a token differs from the original's after a tie: {tie}" for tie in self.ties]
 
 

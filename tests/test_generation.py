@@ -23,7 +23,7 @@ import torch.nn as nn
 import graphopt
 from graphopt import timing, tuning
 from graphopt.backends import ENGINES
-from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, VerificationError
+from graphopt.errors import CaptureError, InputMismatchError, InvalidInputsError, InvalidModelError, InvalidOptionError, ModeSwitchError, VerificationError, VerificationWarning
 from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
@@ -85,7 +85,7 @@ def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: 
     the fixtures check; here, to spare the builds, each candidate is a generator that is never run, under its engine's name."""
     built = []
 
-    def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: Any, precision: str = "fp32", accuracy: float | None = None) -> Any:
+    def build(model: nn.Module, example_inputs: Any, owned: nn.Module, engine: Any, precision: str = "fp32", accuracy: float | None = None, passes: Any = None) -> Any:
         built.append(engine.name)
         return graphopt.generation.Generator(None, owned.generation_config, GenerationReport(engine.name, precision, POSITIONS, 0, max_error=0.0))  # type: ignore[arg-type]
 
@@ -305,6 +305,8 @@ def test_sampling_that_differs_from_the_originals_with_the_same_seed_is_refused(
     ids, mask = prompt(2, 6, padded=2)
     model = tiny("gpt2")  # seeds torch's generator itself
     state = torch.random.get_rng_state()
+    # greedy agrees: only sampling differs, with graphopt's passes (rolled back, with a warning) and without them
     with pytest.raises(VerificationError, match=r"samples other tokens than the original model's generate\(\) from the same seed"):
-        graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})  # greedy agrees: only sampling differs
+        with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs"):
+            graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left as it was

@@ -236,6 +236,23 @@ def test_onnx_export_runs_atens_ops_where_the_module_runs_onednns(tmp_path, time
     assert "use_onednn_linear" not in [p.name for p in report.optimize_report.passes]
 
 
+def test_in_a_graph_larger_than_the_caches_each_linear_is_timed_on_copies_of_its_weight(monkeypatch: pytest.MonkeyPatch, timer: Timer) -> None:
+    """A language model's weights exceed the caches: each linear's weight is read from memory, and is timed so."""
+    timed: list[int] = []  # the weight of each linear ATen ran while timed
+    aten = linear_pass._Linear.aten
+    monkeypatch.setattr(linear_pass._Linear, "aten", lambda kernel, x, other=None: (timed.append(kernel.weight.data_ptr()), aten(kernel, x, other))[1])
+    inputs = (torch.randn(2, WIDTH),)
+    rewrite(Block(), inputs)
+    assert len(timed) == len(timer.calls) == 2  # 4 MiB of weights stay in the caches: each linear timed on its own weight
+    timed.clear()
+    timer.calls.clear()
+    monkeypatch.setattr(linear_pass, "CACHE_BYTES", 3 * 2**20)
+    gm, _ = rewrite(Block(), inputs)
+    assert len(timer.calls) == 2 and len(timed) == 4  # each on its 2 MiB weight and a copy: more than 3 MiB read per call
+    assert timed[0] != timed[1] and timed[2] != timed[3]
+    assert calls(gm) == [(LINEAR_POINTWISE, "gelu"), (LINEAR_ADD, "add")]
+
+
 def test_the_timer_really_times_both(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a stub: the pass's timing runs (on this CPU either side may win) and its figures reach the report."""
     monkeypatch.setattr(linear_pass, "MEASURE_BUDGET_S", 0.05)

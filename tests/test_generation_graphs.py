@@ -1,0 +1,108 @@
+"""The graphs generate() runs: GPT-2's Conv1D captured as linears, the prefill's head on the last position only, the
+prompt's attention with no query left attending to nothing, and graphopt's passes on the PyTorch engine (rolled back
+where they fail verification). Tiny GPT-2 and Llama configs, random weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import torch
+import torch.fx as fx
+from transformers.pytorch_utils import Conv1D
+
+import graphopt
+from graphopt import generation, generation_build
+from graphopt.backends import ENGINES
+from graphopt.errors import VerificationWarning
+from graphopt.passes import PassContext, PassInfo, PassResult
+from graphopt.report import PassReport
+from tests.test_generation import EOS, original_generate, prompt, tiny
+
+aten = torch.ops.aten
+
+
+def ops(graph: fx.GraphModule) -> list[object]:
+    return [node.target for node in graph.graph.nodes if node.op == "call_function"]
+
+
+def test_gpt2s_conv1d_layers_are_captured_as_the_linears_they_compute_and_the_users_model_keeps_them() -> None:
+    model = tiny("gpt2")
+    ids, mask = prompt(2, 6, padded=2)
+    steps = generation.capture_steps(copy.deepcopy(model), ids, mask)
+    for graph in (steps.prefill, steps.decode):
+        assert aten.addmm.default not in ops(graph)
+        assert ops(graph).count(aten.linear.default) == 2 * 4 + 1  # per layer: attention in and out, MLP up and down; the head
+    assert type(model.transformer.h[0].attn.c_attn) is Conv1D
+    with torch.inference_mode():
+        logits = steps.prefill(ids, mask, generation.positions(mask))[0]
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=generation.positions(mask)).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_prefill_computes_the_head_on_the_last_position_only(kind: str) -> None:
+    model = tiny(kind)
+    owned = copy.deepcopy(model)
+    steps = generation.capture_steps(owned, *prompt(2, 6))
+    head = owned.get_output_embeddings().weight
+    (linear,) = [node for node in steps.prefill.graph.nodes if node.target is aten.linear.default and node.args[1].meta["val"].shape == head.shape]
+    assert linear.args[0].meta["val"].shape[1] == 1  # (batch, 1 position, width), whatever the prompt's length
+
+
+def test_a_pad_token_attends_to_itself_only_so_that_no_query_attends_to_nothing() -> None:
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    attention = generation._prompt_attention(mask)
+    assert attention.shape == (2, 1, 4, 4) and attention.dtype == torch.bool
+    expected_padded = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(attention[0, 0], expected_padded)
+    assert torch.equal(attention[1, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_on_the_pytorch_engine_both_graphs_go_through_graphopts_passes_unless_passes_are_turned_off(kind: str) -> None:
+    model = tiny(kind)
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    report = fast.graphopt_report.generation
+    names = {entry.split(" (")[0] for entry in report.passes}
+    assert {"prefill: remove_redundant_transfers", "decode: remove_redundant_transfers", "decode: compute_in_place"} <= names
+    if kind == "gpt2":
+        assert "decode: remove_dropout" in names and aten.dropout.default not in ops(fast.generator.steps.decode)
+    assert "graphopt's passes on the graphs: prefill: " in str(fast.graphopt_report)
+    plain = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, passes=[])
+    assert plain.graphopt_report.generation.passes == []
+    if kind == "gpt2":
+        assert aten.dropout.default in ops(plain.generator.steps.decode)
+    for optimized in (fast, plain):
+        assert torch.equal(optimized.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
+
+
+def _scale_the_first_linear(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """A broken pass: the first linear's output times 1.5."""
+    linear = next(node for node in gm.graph.nodes if node.target is aten.linear.default)
+    with gm.graph.inserting_after(linear):
+        scaled = gm.graph.call_function(aten.mul.Tensor, (linear, 1.5))
+    linear.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    gm.recompile()
+    report = PassReport("scale_the_first_linear")
+    report.rewrite(scaled, "times 1.5")
+    return PassResult(gm, True, report)
+
+
+def test_passes_that_break_the_graphs_are_rolled_back_with_a_warning_and_the_graphs_run_as_captured() -> None:
+    model = tiny("llama")
+    ids, mask = prompt(2, 6, padded=2)
+    broken = PassInfo("scale_the_first_linear", _scale_the_first_linear, ("inference",), "a broken pass")
+    with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs, which failed verification: step 1 logits differ"):
+        generator = generation_build.build(
+            model, {"input_ids": ids, "attention_mask": mask}, copy.deepcopy(model), ENGINES["pytorch"], passes=generation_build.StepPasses([broken])
+        )
+    assert generator.report.passes == ["rolled back, failing verification (step 1 logits differ on the example prompt)"]
+    assert not [node for node in generator.steps.decode.graph.nodes if node.target is aten.mul.Tensor and node.args[1] == 1.5]
+    assert torch.equal(generator.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
