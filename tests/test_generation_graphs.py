@@ -106,3 +106,23 @@ def test_passes_that_break_the_graphs_are_rolled_back_with_a_warning_and_the_gra
     assert generator.report.passes == ["rolled back, failing verification (step 1 logits differ on the example prompt)"]
     assert not [node for node in generator.steps.decode.graph.nodes if node.target is aten.mul.Tensor and node.args[1] == 1.5]
     assert torch.equal(generator.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
+
+
+def test_openvino_reads_a_generation_steps_inputs_in_place_each_made_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("openvino")  # installed by make test
+    model = tiny("llama")
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine="openvino")
+    calls: list[tuple[bool, list[bool]]] = []
+    for runner in (fast.generator.steps.prefill, fast.generator.steps.decode):
+        request = runner.infer_request(runner.other_sizes_compiled)
+
+        class Spy:
+            def infer(self, arrays: list, share_inputs: bool, request=request) -> object:  # type: ignore[no-untyped-def]
+                calls.append((share_inputs, [array.flags["C_CONTIGUOUS"] for array in arrays]))
+                return request.infer(arrays, share_inputs=share_inputs)
+
+        monkeypatch.setattr(runner, "infer_request", lambda compiled, spy=Spy(): spy)
+    tokens = fast.generate(ids, mask, max_new_tokens=4, pad_token_id=EOS)
+    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=4))
+    assert len(calls) == 4 and all(shared and all(contiguous) for shared, contiguous in calls)

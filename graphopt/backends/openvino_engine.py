@@ -115,11 +115,17 @@ class OpenVINORunner(EngineRunner):
         return requests[id(compiled)]
 
     def run(self, args: tuple[Any, ...]) -> Any:
-        arrays = [tensor.detach().numpy() for tensor in tensor_leaves(args)]
-        request = self.infer_request(self.example_compiled if tuple(array.shape for array in arrays) == self.example_shapes else self.other_sizes_compiled)
-        # the inputs are copied in (share_inputs=False): with shared inputs the plugin would keep pointers into torch's
-        # memory beyond the call and read non-contiguous (channels_last) tensors by its own layout
-        results = request.infer(arrays, share_inputs=False)
+        if self.example_shapes is None:
+            # a generation step's inputs (the cache above all) are read in place, made contiguous where they are not (the
+            # plugin reads a shared array by its own layout); the request keeps them until the next step sets its own
+            request = self.infer_request(self.other_sizes_compiled)
+            results = request.infer([tensor.detach().contiguous().numpy() for tensor in tensor_leaves(args)], share_inputs=True)
+        else:
+            arrays = [tensor.detach().numpy() for tensor in tensor_leaves(args)]
+            request = self.infer_request(self.example_compiled if tuple(array.shape for array in arrays) == self.example_shapes else self.other_sizes_compiled)
+            # the inputs are copied in (share_inputs=False): with shared inputs the plugin would keep pointers into torch's
+            # memory beyond the call and read non-contiguous (channels_last) tensors by its own layout
+            results = request.infer(arrays, share_inputs=False)
         # copies: the request's output buffers are overwritten by the next call
         return pytree.tree_unflatten([torch.from_numpy(results[index].copy()) for index in range(len(results))], self.outputs)
 
