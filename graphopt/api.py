@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -238,12 +238,12 @@ def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -
         owned = prepare(model, example_inputs, dataclasses.replace(options, int8=False)).owned
         return generation_build.build(model, example_inputs, owned, engine, precision, options.tune_accuracy, _step_passes(options))
 
-    def generate(generator: generation.Generator) -> Any:
-        return generator.generate(ids, mask, max_new_tokens=tuning.TUNE_NEW_TOKENS, min_new_tokens=tuning.TUNE_NEW_TOKENS)
+    def decoding(generator: generation.Generator) -> Callable[[], Any]:
+        return generation.decoding(generator, ids, mask, tuning.TUNE_NEW_TOKENS)
 
     assert options.tune_accuracy is not None
     candidates = tuning.generation_candidates(engines, options.tune_accuracy, options.fixed_by_caller().get("precision"))
-    generator, report = tuning.tune_generation(build, candidates, generate, options.tune_accuracy, options.tune_budget_s)
+    generator, report = tuning.tune_generation(build, candidates, decoding, options.tune_accuracy, options.tune_budget_s)
     optimized = _with_generator(optimized, generator)
     optimized.graphopt_report.tune = report
     return optimized

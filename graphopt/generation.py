@@ -404,6 +404,23 @@ def timed_steps(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, new
     return prefill, sorted(decode)[len(decode) // 2]
 
 
+def decoding(generator: Generator, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> Callable[[], torch.Tensor]:
+    """A call that runs ``steps`` greedy decode steps after the prompt's prefill, which its first call makes and the
+    others reuse: what tune times (per new token: decode steps are most of a generation's time)."""
+    prefilled: list[State] = []
+
+    def decode() -> torch.Tensor:
+        with torch.inference_mode():
+            if not prefilled:
+                prefilled.append(State(generator.steps, ids, mask))
+            state = copy.copy(prefilled[0])  # advance() rebinds the state's tensors: the prefilled ones stay as they are
+            for _ in range(steps):
+                state.advance(state.logits.argmax(-1))
+            return state.logits
+
+    return decode
+
+
 def cache_bytes_per_token(model: nn.Module) -> int:
     """The key/value cache's bytes for one token of one sequence: 2 x layers x key/value heads x head size x element size."""
     layers, heads, size = _cache_shape(model)

@@ -33,6 +33,8 @@ from graphopt.report import GenerationReport
 FOLDER = "graphopt-generation"  # inside the archive, beside torch.export's folders: the programs
 STEPS = ("prefill", "decode")  # Steps.programs' order; each step's engine files are in f"{FOLDER}-{step}"
 PROGRAMS = tuple(f"{step}.pt2" for step in STEPS)
+# what a loaded report says of the passes the saved module's graphs went through on the PyTorch engine
+NOT_SAVED = "not in the file, which holds the graphs as captured: optimize again for them"
 COMPARED_NEW_TOKENS = 4  # greedy tokens `compare` asks of the saved and the loaded generate()
 
 
@@ -105,6 +107,7 @@ def read(source: Path, entry: GenerationEntry, members: dict[str, str], report: 
         outputs = prefill.call_spec.out_spec
         if entry["engine"] is None:
             runners = [prefill.module(), decode.module()]
+            report.passes = [NOT_SAVED] if report.passes else []
         else:
             runners = [_step_runner(source, members, engine, step, entry["engine"][step], program, outputs, folder) for step, program in zip(STEPS, (prefill, decode))]
     return generation.Generator(generation.Steps(*runners, report.max_length, (prefill, decode), outputs), config, report)

@@ -344,7 +344,7 @@ def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
     return text + f"; {_error_text(error)} within accuracy {accuracy:.0e}"
 
 
-TUNE_NEW_TOKENS = 16  # each generation candidate is timed generating this many tokens from the example prompt
+TUNE_NEW_TOKENS = 16  # each generation candidate is timed on this many decode steps after the example prompt's prefill
 
 
 def generation_candidates(engines: Sequence[EngineInfo], accuracy: float, fixed: str | None = None) -> list[tuple[EngineInfo, str]]:
@@ -357,11 +357,16 @@ def generation_candidates(engines: Sequence[EngineInfo], accuracy: float, fixed:
 
 
 def tune_generation(
-    build: Callable[[EngineInfo, str], Any], candidates: Sequence[tuple[EngineInfo, str]], generate: Callable[[Any], Any], accuracy: float, budget_s: float
+    build: Callable[[EngineInfo, str], Any],
+    candidates: Sequence[tuple[EngineInfo, str]],
+    decoding: Callable[[Any], Callable[[], Any]],
+    accuracy: float,
+    budget_s: float,
 ) -> tuple[Any, TuneReport]:
     """The fastest of ``build(engine, precision)`` (a verified `graphopt.generation.Generator`) over ``candidates``
-    (`generation_candidates`), timed generating `TUNE_NEW_TOKENS` tokens (``generate(generator)``: decode
-    steps dominate), with the report of every candidate; one whose logit error is over ``accuracy`` is not kept."""
+    (`generation_candidates`), timed per new token: ``decoding(generator)`` makes the call timed, `TUNE_NEW_TOKENS`
+    decode steps after a prefill it makes once (decode steps are most of a generation's time); with the report of
+    every candidate. One whose logit error is over ``accuracy`` is not kept."""
     rows, built, failures = [], {}, []
     started = clock()
     for info, precision in candidates:
@@ -386,12 +391,12 @@ def tune_generation(
     if not built:
         _nothing_built(failures, rows, "generation candidate")
     remaining = max(budget_s - (clock() - started), 0.0)
-    ranking = measure_latencies({name: (lambda generator=generator: generate(generator)) for name, generator in built.items()}, budget_s=remaining)
+    ranking = measure_latencies({name: decoding(generator) for name, generator in built.items()}, budget_s=remaining)
     for row in rows:
         if row.name in ranking.medians:
             row.status, row.seconds = "measured", ranking.medians[row.name]
     winner = ranking.winner
-    why = f"fastest of {len(built)} verified generation candidates, {TUNE_NEW_TOKENS} new tokens in {ranking.medians[winner] * 1e3:.1f} ms"
+    why = f"fastest of {len(built)} verified generation candidates per new token, {TUNE_NEW_TOKENS} decode steps in {ranking.medians[winner] * 1e3:.1f} ms"
     if ranking.runner_up is not None:
         why += f"; next {ranking.runner_up} at {ranking.medians[ranking.runner_up] * 1e3:.1f} ms"
     why += f"; timed {ranking.describe()}; " + ("fp32, the original's greedy tokens" if built[winner].report.precision == "fp32" else f"logits within accuracy={accuracy:g}")

@@ -276,7 +276,7 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
     assert timed == [["openvino fp32 generate", "pytorch fp32 generate"]]
     assert report.tune.winner == "openvino fp32 generate" and report.generation.engine == "openvino"
     assert {row.name: row.status for row in report.tune.candidates} == {"pytorch fp32 generate": "measured", "openvino fp32 generate": "measured"}
-    assert "16 new tokens" in report.tune.why and "fp32, the original's greedy tokens" in report.tune.why
+    assert "per new token, 16 decode steps in" in report.tune.why and "fp32, the original's greedy tokens" in report.tune.why
     other_ids, other_mask = prompt(3, 9, padded=4)
     assert torch.equal(fast.generate(other_ids, other_mask, max_new_tokens=8), original_generate(model, other_ids, other_mask, max_new_tokens=8))
     pinned = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True, engine="openvino")  # an option given is kept

@@ -5,6 +5,7 @@ where they fail verification). Tiny GPT-2 and Llama configs, random weights."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -21,7 +22,7 @@ from graphopt import generation, generation_build
 from graphopt.backends import ENGINES
 from graphopt.errors import VerificationWarning
 from graphopt.passes import PassContext, PassInfo, PassResult
-from graphopt.report import PassReport
+from graphopt.report import GenerationReport, PassReport
 from tests.test_generation import EOS, original_generate, prompt, tiny
 
 aten = torch.ops.aten
@@ -126,3 +127,28 @@ def test_openvino_reads_a_generation_steps_inputs_in_place_each_made_contiguous(
     tokens = fast.generate(ids, mask, max_new_tokens=4, pad_token_id=EOS)
     assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=4))
     assert len(calls) == 4 and all(shared and all(contiguous) for shared, contiguous in calls)
+
+
+def test_tune_times_decode_steps_after_one_prefill_made_at_the_first_call() -> None:
+    model = tiny("llama")
+    ids, mask = prompt(1, 5)
+    steps = generation.capture_steps(copy.deepcopy(model), ids, mask)
+    calls = {"prefill": 0, "decode": 0}
+
+    def counted(name: str, step: object) -> object:
+        def run(*args: object) -> object:
+            calls[name] += 1
+            return step(*args)  # type: ignore[operator]
+
+        return run
+
+    counting = dataclasses.replace(steps, prefill=counted("prefill", steps.prefill), decode=counted("decode", steps.decode))
+    decode = generation.decoding(generation.Generator(counting, model.generation_config, GenerationReport("pytorch", "fp32", 128, 0)), ids, mask, 3)
+    first, second = decode(), decode()
+    assert calls == {"prefill": 1, "decode": 6}
+    torch.testing.assert_close(first, second, rtol=0, atol=0)  # the prefilled state is reused as it was
+    with torch.inference_mode():
+        state = generation.State(steps, ids, mask)
+        for _ in range(3):
+            state.advance(state.logits.argmax(-1))
+    torch.testing.assert_close(first, state.logits, rtol=0, atol=0)

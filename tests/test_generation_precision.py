@@ -156,7 +156,7 @@ def test_a_tune_candidate_over_the_accuracy_budget_is_not_kept() -> None:
         return SimpleNamespace(report=SimpleNamespace(max_error=errors[precision], precision=precision))
 
     candidates = tuning.generation_candidates([ENGINES["openvino"]], 1e-2)
-    generator, report = tuning.tune_generation(build, candidates, lambda generator: None, 1e-2, budget_s=5)
+    generator, report = tuning.tune_generation(build, candidates, lambda generator: lambda: None, 1e-2, budget_s=5)
     rows = {row.name: row for row in report.candidates}
     assert (rows["openvino int8 generate"].status, rows["openvino int8 generate"].reason) == ("over budget", "logit error 5.0e-01 over accuracy=0.01")
     assert (report.winner, generator.report.precision, rows["openvino fp32 generate"].status) == ("openvino fp32 generate", "fp32", "measured")
