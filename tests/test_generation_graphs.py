@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import os
 
 import pytest
@@ -23,6 +24,7 @@ from graphopt.backends import ENGINES
 from graphopt.errors import VerificationWarning
 from graphopt.passes import PassContext, PassInfo, PassResult
 from graphopt.report import GenerationReport, PassReport
+from tests.conftest import measured_as
 from tests.test_generation import EOS, original_generate, prompt, tiny
 
 aten = torch.ops.aten
@@ -148,3 +150,19 @@ def test_tune_times_decode_steps_after_one_prefill_made_at_the_first_call() -> N
         for _ in range(3):
             state.advance(state.logits.argmax(-1))
     torch.testing.assert_close(first, state.logits, rtol=0, atol=0)
+
+
+def test_large_linears_of_the_generation_graphs_run_on_onednn_where_timed_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPT-2 one layer deep and 1024 wide: its linears are large enough for use_onednn_linear (a stub timer says oneDNN
+    is faster), and generate() still gives the original's tokens."""
+    linear_pass = importlib.import_module("graphopt.passes.use_onednn_linear")
+    monkeypatch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
+    model = tiny("gpt2", n_layer=1, n_embd=1024, n_head=16)
+    ids, mask = prompt(2, 6, padded=2)
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    kernels = (torch.ops.mkldnn._linear_pointwise.default, torch.ops.graphopt.linear_add.default)
+    for graph in (fast.generator.steps.prefill, fast.generator.steps.decode):
+        assert sum(target in kernels for target in ops(graph)) == 4  # attention in and out, MLP up and down; the 100-row head is small
+    assert "decode: use_onednn_linear (4 rewrite(s))" in fast.graphopt_report.generation.passes
+    other_ids, other_mask = prompt(3, 9, padded=4, seed=7)
+    assert torch.equal(fast.generate(other_ids, other_mask, max_new_tokens=6), original_generate(model, other_ids, other_mask, max_new_tokens=6))
