@@ -108,13 +108,13 @@ def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
         graph, reports, _, _ = run_passes(graph, infos, context, None)
         graphs.append(graph)
         changed += [f"{name}: {report.name} ({len(report.rewrites)} rewrite(s))" for report in reports if report.rewrites]
-    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1]), changed
+    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1], rewritten=bool(changed)), changed
 
 
 def as_captured(steps: Steps) -> Steps:
     """``steps`` running torch.export's modules of its programs, as captured (after passes that failed verification)."""
     prefill, decode = (program.module() for program in steps.programs)
-    return dataclasses.replace(steps, prefill=prefill, decode=decode)
+    return dataclasses.replace(steps, prefill=prefill, decode=decode, rewritten=False)
 
 
 def tolerance(original: nn.Module, precision: str, accuracy: float | None, prompts: Sequence[Prompt]) -> float:
