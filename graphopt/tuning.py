@@ -379,7 +379,8 @@ def tune_generation(
         row = TuneCandidate(hit["winner"], hit["winner_options"])
         generator = _build_generation(build, *by_name[hit["winner"]], row, accuracy, [])
         if generator is not None:
-            why = f"{hit['why']}; verified on this model: logit error {row.max_error:.1e}"
+            error = "not measured" if row.max_error is None else f"{row.max_error:.1e}"
+            why = f"{hit['why']}; verified on this model: logit error {error}"
             return generator, TuneReport(hit["winner"], why, [TuneCandidate(**entry) for entry in hit["candidates"]], accuracy, cache="hit", seconds=0.0)
         rejected = row
     rows, built, failures = [], {}, []
