@@ -1,7 +1,9 @@
 """Causal language models with their key/value cache: OptimizedModule.generate() gives the original's tokens, greedy
 and sampled, at other prompt lengths and left-padded batches; what it does not do is refused saying what to do.
 
-Tiny GPT-2 and Llama configs (random weights, two layers): each optimize takes seconds, built once per module.
+Tiny GPT-2 and Llama configs (random weights, two layers): each optimize takes seconds, so each (model, engine) pair is
+built once for the module (`optimized_once`) and every test that reads such a module shares it; the generation graphs'
+passes on PyTorch and OpenVINO's inputs read in place are checked here for that reason.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 import graphopt
@@ -28,6 +33,7 @@ from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
 VOCABULARY, POSITIONS, EOS = 100, 128, 2
+aten = torch.ops.aten
 
 
 def tiny(kind: str, **config: Any) -> nn.Module:
@@ -50,23 +56,41 @@ def prompt(batch: int, length: int, padded: int = 0, seed: int = 1) -> tuple[tor
     return ids, mask
 
 
+def ops(graph: fx.GraphModule) -> list[object]:
+    return [node.target for node in graph.graph.nodes if node.op == "call_function"]
+
+
 def original_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, **options: Any) -> torch.Tensor:
     with torch.inference_mode():
         return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=EOS, **options)
 
 
-@pytest.fixture(scope="module", params=[("gpt2", "pytorch"), ("llama", "pytorch"), ("gpt2", "openvino"), ("llama", "openvino")], ids="-".join)
-def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
-    kind, engine = request.param
+def optimize_tiny(kind: str, engine: str) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    """A tiny ``kind`` model and its optimize on ``engine`` (the example prompt: a batch of 2, one row left-padded), the
+    report's engine checked; optimize must leave the user's model as it was, cache on."""
     if engine == "openvino":
         pytest.importorskip("openvino")  # installed by make test
     model = tiny(kind)
+    before = model_state(model)
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
+    assert model.config.use_cache is True and model_state(model) == before, "optimize changed the user's model"
     assert fast.graphopt_report.generation.engine == engine
     calls_elsewhere = "engine='openvino' runs generate(); calls of the module run graphopt's PyTorch graph"
     assert (calls_elsewhere in fast.graphopt_report.notes) == (engine == "openvino") and fast.graphopt_report.engine is None
     return model, fast
+
+
+@pytest.fixture(scope="module")
+def optimized_once() -> Callable[[str, str], tuple[nn.Module, graphopt.OptimizedModule]]:
+    """`optimize_tiny` of each (model, engine) pair once for the module, at the first test that asks for it. Tests only read
+    what they get; one that changes a module changes its deep copy."""
+    return functools.cache(optimize_tiny)
+
+
+@pytest.fixture(scope="module", params=[("gpt2", "pytorch"), ("llama", "pytorch"), ("gpt2", "openvino"), ("llama", "openvino")], ids="-".join)
+def optimized(request: pytest.FixtureRequest, optimized_once: Callable[[str, str], tuple[nn.Module, graphopt.OptimizedModule]]) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    return optimized_once(*request.param)
 
 
 def assert_threads_and_a_deep_copy_generate_the_originals_tokens(model: nn.Module, fast: graphopt.OptimizedModule, smallest_batch: int) -> None:
@@ -131,12 +155,8 @@ def test_eos_ends_a_sequence_and_min_new_tokens_holds_it_off_as_in_transformers(
         assert torch.equal(fast.generate(ids, mask, max_new_tokens=12, **options), expected), options
 
 
-def test_calling_the_module_still_returns_the_models_logits_and_the_model_is_untouched() -> None:
-    model = tiny("llama")
-    before = model_state(model)
-    ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
-    assert model.config.use_cache is True and model_state(model) == before
+def test_calling_the_module_still_returns_the_models_logits(optimized_once: Callable[[str, str], Any]) -> None:
+    model, fast = optimized_once("llama", "pytorch")  # the user's model left as it was: optimize_tiny checks it
     other_ids, other_mask = prompt(3, 9, padded=4)
     with torch.inference_mode():
         expected = model(input_ids=other_ids, attention_mask=other_mask, use_cache=False)
@@ -253,6 +273,39 @@ def test_new_weights_or_another_device_are_refused_where_generate_would_not_see_
 def test_threads_and_a_deep_copy_generate_the_originals_tokens(optimized: Any) -> None:
     """A server's threads share one optimized model: each generate() keeps its own cache (and OpenVINO request)."""
     assert_threads_and_a_deep_copy_generate_the_originals_tokens(*optimized, smallest_batch=1)
+
+
+def test_on_the_pytorch_engine_both_graphs_go_through_graphopts_passes_unless_passes_are_turned_off(optimized_once: Callable[[str, str], Any]) -> None:
+    model, fast = optimized_once("gpt2", "pytorch")  # with dropout (Llama has none)
+    ids, mask = prompt(2, 6, padded=2)
+    report = fast.graphopt_report.generation
+    names = {entry.split(" (")[0] for entry in report.passes}
+    assert {"prefill: remove_redundant_transfers", "decode: remove_redundant_transfers", "decode: compute_in_place", "decode: remove_dropout"} <= names
+    assert aten.dropout.default not in ops(fast.generator.steps.decode)
+    assert "graphopt's passes on the graphs: prefill: " in str(fast.graphopt_report)
+    plain = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, passes=[])
+    assert plain.graphopt_report.generation.passes == [] and aten.dropout.default in ops(plain.generator.steps.decode)
+    for optimized in (fast, plain):
+        assert torch.equal(optimized.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
+
+
+def test_openvino_reads_a_generation_steps_inputs_in_place_each_made_contiguous(optimized_once: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, shared = optimized_once("llama", "openvino")
+    fast = copy.deepcopy(shared)  # its runners spied on, the shared module's left as they are
+    calls: list[tuple[bool, list[bool]]] = []
+    for runner in (fast.generator.steps.prefill, fast.generator.steps.decode):
+        request = runner.infer_request(runner.other_sizes_compiled)
+
+        class Spy:
+            def infer(self, arrays: list, share_inputs: bool, request=request) -> object:  # type: ignore[no-untyped-def]
+                calls.append((share_inputs, [array.flags["C_CONTIGUOUS"] for array in arrays]))
+                return request.infer(arrays, share_inputs=share_inputs)
+
+        monkeypatch.setattr(runner, "infer_request", lambda compiled, spy=Spy(): spy)
+    ids, mask = prompt(2, 6, padded=2)
+    tokens = fast.generate(ids, mask, max_new_tokens=4, pad_token_id=EOS)
+    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=4))
+    assert len(calls) == 4 and all(shared and all(contiguous) for shared, contiguous in calls)
 
 
 @pytest.mark.slow  # builds and verifies generation on both engines, twice
