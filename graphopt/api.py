@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt import dynamic, generation, generation_build, tuning
+from graphopt import dynamic, generation, generation_build, timing, tuning
 from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo
 from graphopt.capture import one_at_a_time
 from graphopt.device import device_types
@@ -205,7 +205,7 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
 
 def _step_passes(options: Options) -> generation_build.StepPasses:
     """The passes the generation graphs go through on the PyTorch engine: those ``optimize`` selected for inference."""
-    return generation_build.StepPasses(options.pass_infos, options.remeasure)
+    return generation_build.StepPasses(options.pass_infos, options.remeasure, options.fuse)
 
 
 def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:
@@ -243,7 +243,15 @@ def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -
 
     assert options.tune_accuracy is not None
     candidates = tuning.generation_candidates(engines, options.tune_accuracy, options.fixed_by_caller().get("precision"))
-    generator, report = tuning.tune_generation(build, candidates, decoding, options.tune_accuracy, options.tune_budget_s)
+    # the choice depends on the candidates, the engines' versions and the CPU besides what tune's key holds; remeasure= only
+    # decides whether a remembered choice is used, so a choice made again is remembered under the same key
+    settings = {
+        **options.shared_by_candidates(), "remeasure": None, **options.fixed_by_caller(), "budget_s": options.tune_budget_s,
+        "generate": [(info.name, precision) for info, precision in candidates], "versions": {info.name: info.version() for info in engines},
+        "cpu": timing.cpu_signature(),
+    }  # fmt: skip
+    key = tuning.cache_key(model, (ids, mask), {**settings, "accuracy": options.tune_accuracy})
+    generator, report = tuning.tune_generation(build, candidates, decoding, options.tune_accuracy, options.tune_budget_s, key, options.remeasure)
     optimized = _with_generator(optimized, generator)
     optimized.graphopt_report.tune = report
     return optimized

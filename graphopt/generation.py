@@ -175,6 +175,8 @@ class Steps:
     programs: tuple[torch.export.ExportedProgram, torch.export.ExportedProgram]
     outputs: Any  # the steps' output structure (logits, keys, values) as a pytree spec
     examples: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())  # each step's arguments at capture (what graphopt's passes run on)
+    dynamic_shapes: tuple[Any, Any] = (None, None)  # each step's dynamic dimensions at capture (torch.export's dynamic_shapes)
+    rewritten: bool = False  # the graphs went through graphopt's passes: a file holds them, not the programs (`portable_programs`)
 
 
 def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:
@@ -197,18 +199,15 @@ def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     batch, length, cached = torch.export.Dim("batch", min=1, max=MAX_BATCH), torch.export.Dim("prompt", min=1, max=max(max_length, 2)), torch.export.Dim.AUTO
     try:
         with torch.no_grad():
-            prefill = torch.export.export(_Prefill(model), (ids, mask, position_ids), dynamic_shapes=({0: batch, 1: length},) * 3, strict=False)
+            prefill_dims = ({0: batch, 1: length},) * 3
+            prefill = torch.export.export(_Prefill(model), (ids, mask, position_ids), dynamic_shapes=prefill_dims, strict=False)
             logits, keys, values = prefill.module()(ids, mask, position_ids)
             token = logits.argmax(-1, keepdim=True)
             grown = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             cache_dims = [{0: batch, 2: cached}] * len(keys)
             decode_example = (token, grown, positions(grown)[:, -1:], keys, values)
-            decode = torch.export.export(
-                _Decode(model),
-                decode_example,
-                dynamic_shapes=({0: batch}, {0: batch, 1: cached}, {0: batch}, cache_dims, cache_dims),
-                strict=False,
-            )
+            decode_dims = ({0: batch}, {0: batch, 1: cached}, {0: batch}, cache_dims, cache_dims)
+            decode = torch.export.export(_Decode(model), decode_example, dynamic_shapes=decode_dims, strict=False)
     except InvalidModelError:
         raise
     except Exception as error:  # noqa: BLE001 - torch.export's errors are many; each becomes the same advice
@@ -218,7 +217,8 @@ def capture_steps(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             "Set model.config.use_cache = False to optimize its forward (scoring, no generation), and please report the model"
         ) from error
     outputs = pytree.tree_flatten((logits, keys, values))[1]
-    return Steps(prefill.module(), decode.module(), max_length, (prefill, decode), outputs, ((ids, mask, position_ids), decode_example))
+    examples = ((ids, mask, position_ids), decode_example)
+    return Steps(prefill.module(), decode.module(), max_length, (prefill, decode), outputs, examples, (prefill_dims, decode_dims))
 
 
 def _conv1d_as_linear(model: nn.Module) -> None:

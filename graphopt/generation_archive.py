@@ -1,16 +1,17 @@
 """A causal language model's ``generate()`` (`graphopt.generation`) in the archive `graphopt.save` writes, and back.
 
-`write` saves the prefill and decode programs (``Steps.programs``, torch.export's) each as an archive of its own
-(``torch.export.save``: torch.export.load reads every program of one archive, and `graphopt.load_safety` checks an
-archive of one), which `graphopt.saving` adds under ``graphopt-generation/`` with their SHA-256 in graphopt.json's
-``generation`` entry, beside the model's ``generation_config``. On an engine other than PyTorch, each step's runner
+`write` saves the prefill and decode programs (`saved_programs`: the graphs ``generate()`` runs, torch.export's) each
+as an archive of its own (``torch.export.save``: torch.export.load reads every program of one archive, and
+`graphopt.load_safety` checks an archive of one), which `graphopt.saving` adds under ``graphopt-generation/`` with their
+SHA-256 in graphopt.json's ``generation`` entry, beside the model's ``generation_config``. On an engine other than PyTorch, each step's runner
 writes its own files too (OpenVINO's IR), under ``graphopt-generation-prefill/`` and ``graphopt-generation-decode/``,
 as a graph's engine writes its own (`graphopt.saving`). The engine, its precision and the position limit are the
 report's (``report.generation``).
 
 `read` checks each program archive as `load` checks its own (the checksum, then `graphopt.load_safety`: no pickles, no
 text torch would run as Python) before torch.export reads it, and rebuilds the `Generator`: torch.export's modules on the
-PyTorch engine, else each step's runner from its files (`EngineInfo.load_program`, checksums checked first).
+PyTorch engine (graphopt's oneDNN kernels packed again for this CPU: `graphopt.runtime.portable.from_portable`), else
+each step's runner from its files (`EngineInfo.load_program`, checksums checked first).
 `compare` is `save`'s check of the written file.
 """
 
@@ -29,12 +30,11 @@ from graphopt.archive_metadata import GenerationEntry, StepFiles
 from graphopt.backends import ENGINES, EngineInfo
 from graphopt.errors import LoadError, SaveError, error_summary
 from graphopt.report import GenerationReport
+from graphopt.runtime.portable import from_portable, to_portable
 
 FOLDER = "graphopt-generation"  # inside the archive, beside torch.export's folders: the programs
 STEPS = ("prefill", "decode")  # Steps.programs' order; each step's engine files are in f"{FOLDER}-{step}"
 PROGRAMS = tuple(f"{step}.pt2" for step in STEPS)
-# what a loaded report says of the passes the saved module's graphs went through on the PyTorch engine
-NOT_SAVED = "not in the file, which holds the graphs as captured: optimize again for them"
 COMPARED_NEW_TOKENS = 4  # greedy tokens `compare` asks of the saved and the loaded generate()
 
 
@@ -55,7 +55,7 @@ def write(generator: generation.Generator, folder: Path) -> tuple[GenerationEntr
         raise SaveError(f"the model's generation_config cannot be written as JSON ({error_summary(error)}): reset what it holds that is not plain data") from error
     folders = {FOLDER: folder / "programs"}
     folders[FOLDER].mkdir()
-    for name, program in zip(PROGRAMS, generator.steps.programs, strict=True):
+    for name, program in zip(PROGRAMS, saved_programs(generator.steps), strict=True):
         try:
             torch.export.save(program, folders[FOLDER] / name)
         except Exception as error:
@@ -69,6 +69,26 @@ def write(generator: generation.Generator, folder: Path) -> tuple[GenerationEntr
             folders[f"{FOLDER}-{step}"] = folder / step
             engine[step] = _step_files(runner, folder / step, generator.report.engine)
     return GenerationEntry(programs=programs, generation_config=config, engine=engine), folders
+
+
+def saved_programs(steps: generation.Steps) -> tuple[torch.export.ExportedProgram, ...]:
+    """The programs of the graphs ``steps`` run: after graphopt's passes (``steps.rewritten``), each graph exported again
+    with its oneDNN kernels in portable form (`graphopt.runtime.portable.to_portable`) and the dimensions dynamic as at
+    capture; else the programs as they are (as captured, or as loaded)."""
+    if not steps.rewritten:
+        return steps.programs
+    graphs = (steps.prefill, steps.decode)
+    try:
+        with torch.no_grad():
+            return tuple(
+                torch.export.export(to_portable(graph), example, dynamic_shapes=dims, strict=False)
+                for graph, example, dims in zip(graphs, steps.examples, steps.dynamic_shapes, strict=True)
+            )
+    except Exception as error:
+        raise SaveError(
+            f"torch.export could not export generate()'s graphs after graphopt's passes ({error_summary(error)}). Nothing was written: "
+            "optimize with passes=[] to save the graphs as captured, and please report the model."
+        ) from error
 
 
 def _step_files(runner: Any, folder: Path, engine: str) -> StepFiles:
@@ -107,7 +127,8 @@ def read(source: Path, entry: GenerationEntry, members: dict[str, str], report: 
         outputs = prefill.call_spec.out_spec
         if entry["engine"] is None:
             runners = [prefill.module(), decode.module()]
-            report.passes = [NOT_SAVED] if report.passes else []
+            for runner in runners:
+                from_portable(runner)
         else:
             runners = [_step_runner(source, members, engine, step, entry["engine"][step], program, outputs, folder) for step, program in zip(STEPS, (prefill, decode))]
     return generation.Generator(generation.Steps(*runners, report.max_length, (prefill, decode), outputs), config, report)

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from graphopt import verify as verify_outputs
 from graphopt.backends import EngineInfo
+from graphopt.backends.fuse_compile import compile_regions
 from graphopt.errors import VerificationError, VerificationWarning, warn_at_caller
 from graphopt.generation import Generator, State, Steps, neutral_config, pad_token, cache_bytes_per_token, capture_steps, on_engine, positions, prompt_of, timed_steps
 from graphopt.passes import PassContext, PassInfo
@@ -36,6 +37,7 @@ VERIFY_NEW_TOKENS = 8  # greedy tokens compared with the original's generate() o
 # the dtype each precision computes in, for the tolerance's floor (int8: the weights alone; activations stay float)
 _COMPUTES_IN = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}
 Prompt = tuple[str, torch.Tensor, torch.Tensor]  # (description, input_ids, attention_mask)
+REGION_BACKENDS = ("inductor", "torchscript")  # the fuse= backends that compile pointwise regions ("graph": the whole graph)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class StepPasses:
 
     infos: Sequence[PassInfo]
     remeasure: bool = False
+    fuse: str | None = None  # optimize(fuse=...): a region backend compiles the decode graph's pointwise regions
 
 
 def build(
@@ -100,21 +103,30 @@ def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
 
     The passes that decide by timing the whole graph (`PassInfo.measured`) are left out: a step's graph is mostly its
     weights' matrix multiplications, which `use_onednn_linear` times one by one; the end-to-end verification of
-    generate() stands for the checks `graphopt.pipeline` would run after each pass."""
+    generate() stands for the checks `graphopt.pipeline` would run after each pass. With a region backend
+    (``passes.fuse``), the decode graph's pointwise regions are compiled (`compile_regions`, the batch dynamic); the
+    prefill, run once per generate() at any prompt length, keeps its ops."""
     infos = [info for info in passes.infos if not info.measured]
     graphs, changed = [], []
     for name, graph, example in zip(("prefill", "decode"), (steps.prefill, steps.decode), steps.examples, strict=True):
         context = PassContext(mode="inference", example_inputs=example, measure=True, remeasure=passes.remeasure)
-        graph, reports, _, _ = run_passes(graph, infos, context, None)
-        graphs.append(graph)
+        regions = name == "decode" and passes.fuse in REGION_BACKENDS
+        graph, reports, _, _ = run_passes(graph, [info for info in infos if regions or info.fuse != "regions"], context, None)
         changed += [f"{name}: {report.name} ({len(report.rewrites)} rewrite(s))" for report in reports if report.rewrites]
-    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1]), changed
+        if regions:
+            assert passes.fuse is not None
+            fusion = compile_regions(graph, passes.fuse, example, context=torch.inference_mode, dynamic_batch=True)
+            changed.append(f"{name}: {fusion.lines()[0]}")
+        graphs.append(graph)
+    if passes.fuse == "graph":
+        changed.append("fuse='graph' compiled the calls' graph, not generate()'s steps: engine='inductor' compiles those")
+    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1], rewritten=bool(changed)), changed
 
 
 def as_captured(steps: Steps) -> Steps:
     """``steps`` running torch.export's modules of its programs, as captured (after passes that failed verification)."""
     prefill, decode = (program.module() for program in steps.programs)
-    return dataclasses.replace(steps, prefill=prefill, decode=decode)
+    return dataclasses.replace(steps, prefill=prefill, decode=decode, rewritten=False)
 
 
 def tolerance(original: nn.Module, precision: str, accuracy: float | None, prompts: Sequence[Prompt]) -> float:

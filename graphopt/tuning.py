@@ -362,32 +362,37 @@ def tune_generation(
     decoding: Callable[[Any], Callable[[], Any]],
     accuracy: float,
     budget_s: float,
+    key: str | None = None,
+    remeasure: bool = False,
 ) -> tuple[Any, TuneReport]:
     """The fastest of ``build(engine, precision)`` (a verified `graphopt.generation.Generator`) over ``candidates``
     (`generation_candidates`), timed per new token: ``decoding(generator)`` makes the call timed, `TUNE_NEW_TOKENS`
     decode steps after a prefill it makes once (decode steps are most of a generation's time); with the report of
-    every candidate. One whose logit error is over ``accuracy`` is not kept."""
+    every candidate. One whose logit error is over ``accuracy`` is not kept. Every candidate is built; ``budget_s``
+    bounds the timing. Under ``key`` (`cache_key`; None: not remembered) the choice is remembered as
+    `tune`'s is, and a remembered one is the only candidate built (unless ``remeasure``), verified on this model like a
+    fresh one; where it fails or is over ``accuracy``, tune measures again and the report says why."""
+    by_name = {_generation_name(info, precision): (info, precision) for info, precision in candidates}
+    hit = None if key is None or remeasure or remeasure_requested() else cached(key)
+    rejected = None  # the cached choice, where it failed or is over accuracy on this model
+    if hit is not None and hit["winner"] in by_name:
+        row = TuneCandidate(hit["winner"], hit["winner_options"])
+        generator = _build_generation(build, *by_name[hit["winner"]], row, accuracy, [])
+        if generator is not None:
+            why = f"{hit['why']}; verified on this model: logit error {row.max_error:.1e}"
+            return generator, TuneReport(hit["winner"], why, [TuneCandidate(**entry) for entry in hit["candidates"]], accuracy, cache="hit", seconds=0.0)
+        rejected = row
     rows, built, failures = [], {}, []
     started = clock()
-    for info, precision in candidates:
-        row = TuneCandidate(f"{info.name} {precision} generate", {"engine": info.name, "precision": precision})
+    for name, (info, precision) in by_name.items():
+        if rejected is not None and name == rejected.name:
+            rows.append(rejected)
+            continue
+        row = TuneCandidate(name, {"engine": info.name, "precision": precision})
         rows.append(row)
-        missing = info.missing()
-        if missing is not None:
-            row.status, row.reason = "not built", missing
-            continue
-        building = clock()
-        try:
-            generator = build(info, precision)
-        except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
-            row.status, row.reason = "failed", error_summary(error)
-            failures.append(error)
-            continue
-        row.build_seconds, row.max_error = clock() - building, generator.report.max_error
-        if row.max_error is not None and row.max_error > accuracy:
-            row.status, row.reason = "over budget", f"logit error {row.max_error:.1e} over accuracy={accuracy:g}"
-            continue
-        built[row.name] = generator
+        generator = _build_generation(build, info, precision, row, accuracy, failures)
+        if generator is not None:
+            built[name] = generator
     if not built:
         _nothing_built(failures, rows, "generation candidate")
     remaining = max(budget_s - (clock() - started), 0.0)
@@ -400,4 +405,35 @@ def tune_generation(
     if ranking.runner_up is not None:
         why += f"; next {ranking.runner_up} at {ranking.medians[ranking.runner_up] * 1e3:.1f} ms"
     why += f"; timed {ranking.describe()}; " + ("fp32, the original's greedy tokens" if built[winner].report.precision == "fp32" else f"logits within accuracy={accuracy:g}")
-    return built[winner], TuneReport(winner, why, rows, accuracy, cache="miss", seconds=clock() - started, ranking=ranking)
+    if key is not None and ranking.verdict != "disturbed":  # a choice timed while other processes held the CPU is made again next time
+        remember(key, {"winner": winner, "winner_options": next(row.options for row in rows if row.name == winner), "why": why, "candidates": [asdict(row) for row in rows]})
+    shown = why if rejected is None else f"the cached choice {rejected.name} was rejected on this model ({rejected.status}: {rejected.reason}), so tune measured again; {why}"
+    report = TuneReport(winner, shown, rows, accuracy, cache="miss" if rejected is None else "rejected", seconds=clock() - started, ranking=ranking)
+    return built[winner], report
+
+
+def _generation_name(info: EngineInfo, precision: str) -> str:
+    return f"{info.name} {precision} generate"
+
+
+def _build_generation(
+    build: Callable[[EngineInfo, str], Any], info: EngineInfo, precision: str, row: TuneCandidate, accuracy: float, failures: list[Exception]
+) -> Any:
+    """``build(info, precision)``, recording in ``row`` its build time and logit error, or why it is out (its engine is
+    missing, it failed: the error joins ``failures``, or it is over ``accuracy``): the generator, else None."""
+    missing = info.missing()
+    if missing is not None:
+        row.status, row.reason = "not built", missing
+        return None
+    building = clock()
+    try:
+        generator = build(info, precision)
+    except Exception as error:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
+        row.status, row.reason = "failed", error_summary(error)
+        failures.append(error)
+        return None
+    row.build_seconds, row.max_error = clock() - building, generator.report.max_error
+    if row.max_error is not None and row.max_error > accuracy:
+        row.status, row.reason = "over budget", f"logit error {row.max_error:.1e} over accuracy={accuracy:g}"
+        return None
+    return generator

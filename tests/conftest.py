@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import graphopt
-from graphopt import dynamic, timing
+from graphopt import dynamic, timing, tuning
 from graphopt.passes import PassContext
 from graphopt.validate import SecondInputs
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
@@ -57,6 +57,7 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     """Measured decisions (and tune's choices) are remembered in $GRAPHOPT_CACHE_DIR: each test gets an empty one,
     never ~/.cache, so a decision one test's fake timer made is not another test's."""
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path_factory.mktemp("graphopt-cache")))
+    monkeypatch.setattr(tuning, "_memory_cache", {})  # tune's copy of the file in this process
     monkeypatch.delenv("GRAPHOPT_REMEASURE", raising=False)
 
 

@@ -3,13 +3,15 @@ that loads the file generates the original model's tokens (greedy, and sampled f
 the report and the refusals come back with it; a changed file raises `LoadError`, a bad command line a message.
 
 Tiny GPT-2 and Llama (tests.test_generation's, random weights, two layers), each optimized and saved once for the module;
-one fresh process loads every file.
+one fresh process loads every file. The GPT-2 on PyTorch has its linears on oneDNN (use_onednn_linear, told by a stub timer
+that they are faster, its size threshold lowered): the file keeps graphopt's passes, and the loaded graphs run them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -33,6 +35,7 @@ from graphopt.archive_metadata import GenerationEntry, StepFiles
 from graphopt.backends import ENGINES
 from graphopt.errors import InputMismatchError, ModeSwitchError, SaveError
 from graphopt.report import GenerationReport
+from tests.conftest import measured_as
 from tests.test_archive_metadata import assert_refused, metadata_edit, metadata_of, set_key
 from tests.test_generation import original_generate, prompt, tiny
 from tests.test_load_safety import edited, json_edit
@@ -46,6 +49,8 @@ SAMPLING = {"do_sample": True, "top_k": 20, "temperature": 0.8}
 SEED = 5
 NEW_TOKENS = 8
 AGAIN = "Save the module again."
+LINEAR_PASS = importlib.import_module("graphopt.passes.use_onednn_linear")  # the module (graphopt.passes names the function)
+ONEDNN_LINEARS = ("mkldnn._linear_pointwise.default", "graphopt.linear_add.default")  # the graphs' linears on oneDNN
 
 # Run in a fresh process: load each file named on the command line, generate, and keep what came out.
 LOAD_AND_GENERATE = f"""
@@ -56,6 +61,8 @@ ids, mask = torch.load("prompt.pt")
 results = {{}}
 for name in sys.argv[1:]:
     module = graphopt.load(name + ".pt2", allow_import=True)
+    steps = module.generator.steps
+    kernels = [str(node.target) in {ONEDNN_LINEARS!r} for graph in (steps.prefill, steps.decode) if hasattr(graph, "graph") for node in graph.graph.nodes]
     greedy = module.generate(ids, mask, max_new_tokens={NEW_TOKENS})
     torch.manual_seed({SEED})
     sampled = module.generate(ids, mask, max_new_tokens={NEW_TOKENS}, **{SAMPLING!r})
@@ -64,7 +71,7 @@ for name in sys.argv[1:]:
         refusal = "none"
     except GraphoptError as error:
         refusal = type(error).__name__ + ": " + str(error)
-    results[name] = {{"greedy": greedy, "sampled": sampled, "refusal": refusal, "report": repr(module.graphopt_report.generation)}}
+    results[name] = {{"greedy": greedy, "sampled": sampled, "refusal": refusal, "report": repr(module.graphopt_report.generation), "onednn_linears": sum(kernels)}}
 torch.save(results, "results.pt")
 """
 
@@ -83,7 +90,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         kind, engine = name.split("-")
         model = tiny(kind)
         ids, mask = prompt(2, 6, padded=2)
-        fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
+        with pytest.MonkeyPatch.context() as patch:  # on PyTorch: every linear on oneDNN, measured faster by a stub
+            patch.setattr(LINEAR_PASS, "MIN_WEIGHT_ELEMENTS", 1)
+            patch.setattr(LINEAR_PASS, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
+            fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
         cases[name] = {"model": model, "module": fast, "path": graphopt.save(fast, folder / f"{name}.pt2")}
     torch.save(the_prompt(), folder / "prompt.pt")
     return cases
@@ -113,9 +123,11 @@ def test_a_fresh_process_generates_the_original_models_tokens(name: str, saved: 
 def test_the_loaded_report_and_refusals_are_the_saved_modules(name: str, saved: dict[str, Any], fresh: dict[str, Any]) -> None:
     fast = saved[name]["module"]
     passes = fast.graphopt_report.generation.passes
-    assert bool(passes) == (name.endswith("pytorch"))  # graphopt's passes on the PyTorch engine: not saved, the loaded report says so
-    expected = dataclasses.replace(fast.graphopt_report.generation, passes=[generation_archive.NOT_SAVED] if passes else [])
-    assert fresh[name]["report"] == repr(expected)
+    assert bool(passes) == (name.endswith("pytorch"))  # graphopt's passes on the PyTorch engine, kept in the file
+    assert fresh[name]["report"] == repr(fast.graphopt_report.generation)
+    steps = fast.generator.steps
+    linears = sum(str(node.target) in ONEDNN_LINEARS for graph in (steps.prefill, steps.decode) if hasattr(graph, "graph") for node in graph.graph.nodes)
+    assert fresh[name]["onednn_linears"] == linears == (0 if name.endswith("openvino") else 18)  # 2 layers x 4, and the head, per graph
     assert fast.graphopt_report.generation.engine == name.split("-")[1]
     with pytest.raises(InputMismatchError) as refused:
         fast.generate(*the_prompt(), max_new_tokens=500)
@@ -126,6 +138,18 @@ def test_the_loaded_report_and_refusals_are_the_saved_modules(name: str, saved: 
 def test_packaging_a_module_with_generate_is_refused_saying_what_keeps_it(saved: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(SaveError, match=r"compiles the module's forward alone, not a language model's generate\(\).*graphopt.save keeps generate\(\)"):
         graphopt.package(saved["gpt2-pytorch"]["module"], tmp_path / "lm-aoti.pt2")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_graphs_after_passes_that_torch_export_cannot_write_are_refused_saying_what_saves(
+    saved: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(graph: Any) -> None:
+        raise RuntimeError("an op torch.export cannot trace")
+
+    monkeypatch.setattr(generation_archive, "to_portable", refuse)  # the steps' graphs alone (the calls' graph exports)
+    with pytest.raises(SaveError, match=r"could not export generate\(\)'s graphs after graphopt's passes \(RuntimeError: an op.*optimize with passes=\[\]"):
+        graphopt.save(saved["gpt2-pytorch"]["module"], tmp_path / "lm.pt2")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -152,6 +152,14 @@ class EngineInfo:
             return f"engine={self.name!r} needs {self.requires}, which is installed but fails to import ({error_summary(error)}): reinstall it ({install} --force-reinstall)"
         return None
 
+    def version(self) -> str:
+        """The installed version of its runtime (torch's for an engine of graphopt's core); "" where it is missing."""
+        if self.requires is None:
+            return torch.__version__
+        if self.missing() is not None:
+            return ""
+        return str(getattr(importlib.import_module(self.requires), "__version__", ""))
+
     def make(self, request: EngineInput) -> EngineRunner:
         """``build(request)``, where any error the engine's own tools raise (conversion, compilation, quantization,
         a capability check) becomes `EngineError`: the one place engine builds are called."""

@@ -202,6 +202,7 @@ def variants() -> list[Variant]:
         Variant("optimum-bf16", "optimum-intel OVModelForCausalLM bf16", "peer", _optimum_intel("bf16")),
         Variant("optimum-int8", "optimum-intel OVModelForCausalLM int8 weights", "peer", _optimum_intel("int8")),
         Variant("graphopt", "graphopt default", "graphopt", _graphopt()),
+        Variant("graphopt-fuse", 'graphopt fuse="inductor"', "graphopt", _graphopt(fuse="inductor")),
         *[Variant(f"graphopt-{name}", f'graphopt engine="{name}"', "graphopt", _graphopt(engine=name)) for name in engines],
         *[
             Variant(f"graphopt-{name}-{precision}", f'graphopt engine="{name}", precision="{precision}"', "graphopt", _graphopt(engine=name, precision=precision))

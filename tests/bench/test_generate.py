@@ -200,4 +200,4 @@ def test_same_tokens_counts_equal_positions_of_the_reference() -> None:
 def test_each_engine_generation_runs_on_is_a_variant_in_each_precision_it_generates_in() -> None:
     keys = [variant.key for variant in generate.variants()]
     assert keys[:2] == ["eager", "eager-again"] and len(set(keys)) == len(keys)
-    assert {"graphopt", "graphopt-openvino", "graphopt-openvino-int8", "graphopt-openvino-bf16", "graphopt-tune", "graphopt-tune-low"} <= set(keys)
+    assert {"graphopt", "graphopt-fuse", "graphopt-openvino", "graphopt-openvino-int8", "graphopt-openvino-bf16", "graphopt-tune", "graphopt-tune-low"} <= set(keys)
