@@ -91,22 +91,41 @@ def test_a_token_model_runs_at_another_batch_and_sequence_length(engine: str) ->
 LOAD_AND_COMPARE = """
 import sys, torch, graphopt
 results = {}
-for engine, (inputs, expected) in torch.load(sys.argv[1]).items():
-    module = graphopt.load(engine + ".pt2")
+for key, (inputs, expected) in torch.load(sys.argv[1]).items():
+    module = graphopt.load(key + ".pt2")
     error = graphopt.verify.compare(expected, module(*inputs)).max_error
-    results[engine] = (module.graphopt_report.engine.name, type(module.runner).__name__, error)
+    results[key] = (module.graphopt_report.engine.name, type(module.runner).__name__, error)
 torch.save(results, "results.pt")
 """
 
 
+def loaded_in_one_fresh_process(saved: Mapping[str, tuple[graphopt.OptimizedModule, tuple[Any, ...], Any]], folder: Path) -> dict[str, tuple[str, str, float]]:
+    """Each (optimized, inputs, expected) of ``saved`` saved, then all loaded by `graphopt.load` in one fresh process (one
+    start of Python, torch and the engines) and called on their ``inputs``: by key, (its engine's name, its runner's class
+    name, its error against ``expected``)."""
+    for key, (optimized, _, _) in saved.items():
+        graphopt.save(optimized, folder / f"{key}.pt2")
+    torch.save({key: (inputs, expected) for key, (_, inputs, expected) in saved.items()}, folder / "checks.pt")
+    (folder / "load.py").write_text(LOAD_AND_COMPARE)
+    done = subprocess.run([sys.executable, "load.py", "checks.pt"], cwd=folder, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(folder / "results.pt")
+
+
+def loaded_in_a_fresh_process(optimized: graphopt.OptimizedModule, inputs: tuple[Any, ...], expected: Any, folder: Path) -> tuple[str, str, float]:
+    """``optimized`` saved, loaded by `graphopt.load` in a fresh process and called on ``inputs``: (its engine's name,
+    its runner's class name, its error against ``expected``)."""
+    return loaded_in_one_fresh_process({"model": (optimized, inputs, expected)}, folder)["model"]
+
+
 @pytest.fixture(scope="module")
-def loaded_in_a_fresh_process(request: pytest.FixtureRequest, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, float]]:
-    """Each engine's `conv_on` module that a collected test below asks for, saved, then loaded by `graphopt.load` in one
-    fresh process (one start of Python, torch and the engines for all of them) and called on a batch of 4: by engine,
-    (the loaded module's engine name, its runner's class name, its error against the original model)."""
+def loaded_in_a_fresh_process_each(request: pytest.FixtureRequest, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, float]]:
+    """Each engine's `conv_on` module that a collected test below asks for, saved and loaded in one fresh process
+    (`loaded_in_one_fresh_process`), called on a batch of 4: by engine, (the loaded module's engine name, its runner's
+    class name, its error against the original model)."""
     asked = [item.callspec.params["engine"] for item in request.session.items if item.originalname == "test_a_saved_engine_result_computes_the_same_in_a_fresh_process"]
     folder = tmp_path_factory.mktemp("saved")
-    checks: dict[str, tuple[tuple[torch.Tensor], Any]] = {}
+    saved: dict[str, tuple[graphopt.OptimizedModule, tuple[Any, ...], Any]] = {}
     with pytest.MonkeyPatch.context() as monkeypatch:  # a build made here has an empty tuning cache, as in a test
         monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(folder / "cache"))
         monkeypatch.setattr(tuning, "_memory_cache", {})
@@ -114,19 +133,14 @@ def loaded_in_a_fresh_process(request: pytest.FixtureRequest, conv_on: Callable[
             model, optimized = conv_on(engine)
             other = torch.randn(4, 3, 12, 12)
             with torch.no_grad():
-                checks[engine] = ((other,), model(other))
-            graphopt.save(optimized, folder / f"{engine}.pt2")
-    torch.save(checks, folder / "checks.pt")
-    (folder / "load.py").write_text(LOAD_AND_COMPARE)
-    done = subprocess.run([sys.executable, "load.py", "checks.pt"], cwd=folder, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return torch.load(folder / "results.pt")
+                saved[engine] = (optimized, (other,), model(other))
+        return loaded_in_one_fresh_process(saved, folder)
 
 
 @pytest.mark.parametrize("engine", engines())
-def test_a_saved_engine_result_computes_the_same_in_a_fresh_process(engine: str, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]], loaded_in_a_fresh_process: dict[str, tuple[str, str, float]]) -> None:
+def test_a_saved_engine_result_computes_the_same_in_a_fresh_process(engine: str, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]], loaded_in_a_fresh_process_each: dict[str, tuple[str, str, float]]) -> None:
     _, optimized = conv_on(engine)
-    name, runner, error = loaded_in_a_fresh_process[engine]
+    name, runner, error = loaded_in_a_fresh_process_each[engine]
     assert (name, runner) == (engine, type(optimized.runner).__name__)
     assert error <= 1e-4
 
