@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 from typing import Any
@@ -23,13 +24,27 @@ FRONTENDS = ("fx", "export")
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (``make test`` runs ``-n auto``) the workers share the cores: each gets its share of threads,
-    as do the processes the tests start (OMP_NUM_THREADS), instead of every worker's torch using all of them."""
+    as do the processes the tests start (OMP_NUM_THREADS), instead of every worker's torch using all of them; and the
+    files are handed out in the order `pytest_collection_modifyitems` gives them."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux; elsewhere all
         threads = max(1, cores // int(workers))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's option, on by default
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a test marked slow first, then the others, each group's files with the most tests first; each file's
+    tests stay together and in their order. ``make test`` hands whole files to its workers in this order (pytest-xdist's
+    own, by number of tests alone, is turned off in `pytest_configure`): by it, a file of a few long tests, such as the
+    README's, started last and one worker ran it alone after the other had finished."""
+    tests_in = collections.Counter(item.path for item in items)
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in slow, -tests_in[item.path]))
 
 
 @pytest.fixture(autouse=True)

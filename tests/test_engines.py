@@ -12,6 +12,7 @@ test times anything: tune's timer is a fake.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import re
 import subprocess
@@ -44,10 +45,22 @@ def assert_matches(expected: Any, actual: Any, tolerance: float = 1e-4) -> None:
     assert comparison.max_error <= tolerance, comparison.detail
 
 
+@pytest.fixture(scope="module")
+def conv_on() -> Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]]:
+    """`conv_net` optimized on an engine (example: a batch of 2), once for the module at the first test that asks for that
+    engine; the tests only read what they get (call it, save it)."""
+
+    @functools.cache
+    def build(engine: str) -> tuple[nn.Module, graphopt.OptimizedModule]:
+        model = conv_net()
+        return model, graphopt.optimize(model, torch.randn(2, 3, 12, 12), engine=engine)
+
+    return build
+
+
 @pytest.mark.parametrize("engine", engines())
-def test_an_engine_result_is_verified_and_matches_at_other_sizes(engine: str) -> None:
-    model, x = conv_net(), torch.randn(2, 3, 12, 12)
-    optimized = graphopt.optimize(model, x, engine=engine)
+def test_an_engine_result_is_verified_and_matches_at_other_sizes(engine: str, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]]) -> None:
+    model, optimized = conv_on(engine)
     report = optimized.graphopt_report
     assert report.engine.name == engine and report.engine.precision == "fp32"
     assert report.engine.max_error is not None and report.engine.second_input_error is not None  # both checks ran
@@ -77,32 +90,57 @@ def test_a_token_model_runs_at_another_batch_and_sequence_length(engine: str) ->
 
 LOAD_AND_COMPARE = """
 import sys, torch, graphopt
-module = graphopt.load(sys.argv[1])
-inputs, expected = torch.load(sys.argv[2])
-error = graphopt.verify.compare(expected, module(*inputs)).max_error
-print(module.graphopt_report.engine.name, type(module.runner).__name__, error)
+results = {}
+for key, (inputs, expected) in torch.load(sys.argv[1]).items():
+    module = graphopt.load(key + ".pt2")
+    error = graphopt.verify.compare(expected, module(*inputs)).max_error
+    results[key] = (module.graphopt_report.engine.name, type(module.runner).__name__, error)
+torch.save(results, "results.pt")
 """
+
+
+def loaded_in_one_fresh_process(saved: Mapping[str, tuple[graphopt.OptimizedModule, tuple[Any, ...], Any]], folder: Path) -> dict[str, tuple[str, str, float]]:
+    """Each (optimized, inputs, expected) of ``saved`` saved, then all loaded by `graphopt.load` in one fresh process (one
+    start of Python, torch and the engines) and called on their ``inputs``: by key, (its engine's name, its runner's class
+    name, its error against ``expected``)."""
+    for key, (optimized, _, _) in saved.items():
+        graphopt.save(optimized, folder / f"{key}.pt2")
+    torch.save({key: (inputs, expected) for key, (_, inputs, expected) in saved.items()}, folder / "checks.pt")
+    (folder / "load.py").write_text(LOAD_AND_COMPARE)
+    done = subprocess.run([sys.executable, "load.py", "checks.pt"], cwd=folder, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(folder / "results.pt")
 
 
 def loaded_in_a_fresh_process(optimized: graphopt.OptimizedModule, inputs: tuple[Any, ...], expected: Any, folder: Path) -> tuple[str, str, float]:
     """``optimized`` saved, loaded by `graphopt.load` in a fresh process and called on ``inputs``: (its engine's name,
     its runner's class name, its error against ``expected``)."""
-    path = graphopt.save(optimized, folder / "model.pt2")
-    torch.save((inputs, expected), folder / "check.pt")
-    (folder / "load.py").write_text(LOAD_AND_COMPARE)
-    done = subprocess.run([sys.executable, "load.py", str(path), "check.pt"], cwd=folder, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    name, runner, error = done.stdout.split()
-    return name, runner, float(error)
+    return loaded_in_one_fresh_process({"model": (optimized, inputs, expected)}, folder)["model"]
+
+
+@pytest.fixture(scope="module")
+def loaded_in_a_fresh_process_each(request: pytest.FixtureRequest, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, float]]:
+    """Each engine's `conv_on` module that a collected test below asks for, saved and loaded in one fresh process
+    (`loaded_in_one_fresh_process`), called on a batch of 4: by engine, (the loaded module's engine name, its runner's
+    class name, its error against the original model)."""
+    asked = [item.callspec.params["engine"] for item in request.session.items if item.originalname == "test_a_saved_engine_result_computes_the_same_in_a_fresh_process"]
+    folder = tmp_path_factory.mktemp("saved")
+    saved: dict[str, tuple[graphopt.OptimizedModule, tuple[Any, ...], Any]] = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:  # a build made here has an empty tuning cache, as in a test
+        monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(folder / "cache"))
+        monkeypatch.setattr(tuning, "_memory_cache", {})
+        for engine in dict.fromkeys(asked):
+            model, optimized = conv_on(engine)
+            other = torch.randn(4, 3, 12, 12)
+            with torch.no_grad():
+                saved[engine] = (optimized, (other,), model(other))
+        return loaded_in_one_fresh_process(saved, folder)
 
 
 @pytest.mark.parametrize("engine", engines())
-def test_a_saved_engine_result_computes_the_same_in_a_fresh_process(engine: str, tmp_path: Path) -> None:
-    model, x = conv_net(), torch.randn(2, 3, 12, 12)
-    optimized = graphopt.optimize(model, x, engine=engine)
-    other = torch.randn(4, 3, 12, 12)
-    with torch.no_grad():
-        name, runner, error = loaded_in_a_fresh_process(optimized, (other,), model(other), tmp_path)
+def test_a_saved_engine_result_computes_the_same_in_a_fresh_process(engine: str, conv_on: Callable[[str], tuple[nn.Module, graphopt.OptimizedModule]], loaded_in_a_fresh_process_each: dict[str, tuple[str, str, float]]) -> None:
+    _, optimized = conv_on(engine)
+    name, runner, error = loaded_in_a_fresh_process_each[engine]
     assert (name, runner) == (engine, type(optimized.runner).__name__)
     assert error <= 1e-4
 

@@ -1,7 +1,9 @@
 """Causal language models with their key/value cache: OptimizedModule.generate() gives the original's tokens, greedy
 and sampled, at other prompt lengths and left-padded batches; what it does not do is refused saying what to do.
 
-Tiny GPT-2 and Llama configs (random weights, two layers): each optimize takes seconds, built once per module.
+Tiny GPT-2 and Llama configs (random weights, two layers): each optimize takes seconds, so each (model, engine) pair is
+built once for the module (`optimized_once`) and every test that reads such a module shares it; the generation graphs'
+passes on PyTorch and OpenVINO's inputs read in place are checked here for that reason.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 import graphopt
@@ -28,6 +33,7 @@ from graphopt.report import GenerationReport, Report
 from tests.conftest import model_state
 
 VOCABULARY, POSITIONS, EOS = 100, 128, 2
+aten = torch.ops.aten
 
 
 def tiny(kind: str, **config: Any) -> nn.Module:
@@ -50,23 +56,41 @@ def prompt(batch: int, length: int, padded: int = 0, seed: int = 1) -> tuple[tor
     return ids, mask
 
 
+def ops(graph: fx.GraphModule) -> list[object]:
+    return [node.target for node in graph.graph.nodes if node.op == "call_function"]
+
+
 def original_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, **options: Any) -> torch.Tensor:
     with torch.inference_mode():
         return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=EOS, **options)
 
 
-@pytest.fixture(scope="module", params=[("gpt2", "pytorch"), ("llama", "pytorch"), ("gpt2", "openvino"), ("llama", "openvino")], ids="-".join)
-def optimized(request: pytest.FixtureRequest) -> tuple[nn.Module, graphopt.OptimizedModule]:
-    kind, engine = request.param
+def optimize_tiny(kind: str, engine: str) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    """A tiny ``kind`` model and its optimize on ``engine`` (the example prompt: a batch of 2, one row left-padded), the
+    report's engine checked; optimize must leave the user's model as it was, cache on."""
     if engine == "openvino":
         pytest.importorskip("openvino")  # installed by make test
     model = tiny(kind)
+    before = model_state(model)
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
+    assert model.config.use_cache is True and model_state(model) == before, "optimize changed the user's model"
     assert fast.graphopt_report.generation.engine == engine
     calls_elsewhere = "engine='openvino' runs generate(); calls of the module run graphopt's PyTorch graph"
     assert (calls_elsewhere in fast.graphopt_report.notes) == (engine == "openvino") and fast.graphopt_report.engine is None
     return model, fast
+
+
+@pytest.fixture(scope="module")
+def optimized_once() -> Callable[[str, str], tuple[nn.Module, graphopt.OptimizedModule]]:
+    """`optimize_tiny` of each (model, engine) pair once for the module, at the first test that asks for it. Tests only read
+    what they get; one that changes a module changes its deep copy."""
+    return functools.cache(optimize_tiny)
+
+
+@pytest.fixture(scope="module", params=[("gpt2", "pytorch"), ("llama", "pytorch"), ("gpt2", "openvino"), ("llama", "openvino")], ids="-".join)
+def optimized(request: pytest.FixtureRequest, optimized_once: Callable[[str, str], tuple[nn.Module, graphopt.OptimizedModule]]) -> tuple[nn.Module, graphopt.OptimizedModule]:
+    return optimized_once(*request.param)
 
 
 def assert_threads_and_a_deep_copy_generate_the_originals_tokens(model: nn.Module, fast: graphopt.OptimizedModule, smallest_batch: int) -> None:
@@ -80,7 +104,7 @@ def assert_threads_and_a_deep_copy_generate_the_originals_tokens(model: nn.Modul
     assert all(torch.equal(tokens, want) for tokens, want in zip(got, expected, strict=True))
 
 
-def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tune_has_every_engine_that_generates_among_its_candidates_or_the_engine_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """The candidates come from the registry (`EngineInfo.generates`). Each is built as optimize(engine=...) builds it, which
     the fixtures check; here, to spare the builds, each candidate is a generator that is never run, under its engine's name."""
     built = []
@@ -92,11 +116,15 @@ def test_tune_has_every_engine_that_generates_among_its_candidates(monkeypatch: 
     monkeypatch.setattr(graphopt.generation_build, "build", build)
     monkeypatch.setattr(tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1e-3 if name.startswith("inductor") else 2e-3] * 5 for name in runs}))
     ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, tune=True)
+    model = tiny("gpt2")
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True)
     assert all(info.generates for info in ENGINES.values())
     assert built == [name for name, info in ENGINES.items() if not info.missing()] and {"onnxruntime", "inductor"} <= set(built)
     assert [row.name for row in fast.graphopt_report.tune.candidates] == [f"{name} fp32 generate" for name in ENGINES]
     assert fast.graphopt_report.tune.winner == "inductor fp32 generate" and fast.graphopt_report.generation.engine == "inductor"
+    del built[:]
+    pinned = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True, engine="onnxruntime")  # an engine given is kept
+    assert built == ["onnxruntime"] and [row.name for row in pinned.graphopt_report.tune.candidates] == ["onnxruntime fp32 generate"]
 
 
 @pytest.mark.parametrize("batch, length, padded", [(1, 5, 0), (1, 11, 0), (2, 7, 3), (3, 1, 0)])
@@ -131,12 +159,8 @@ def test_eos_ends_a_sequence_and_min_new_tokens_holds_it_off_as_in_transformers(
         assert torch.equal(fast.generate(ids, mask, max_new_tokens=12, **options), expected), options
 
 
-def test_calling_the_module_still_returns_the_models_logits_and_the_model_is_untouched() -> None:
-    model = tiny("llama")
-    before = model_state(model)
-    ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
-    assert model.config.use_cache is True and model_state(model) == before
+def test_calling_the_module_still_returns_the_models_logits(optimized_once: Callable[[str, str], Any]) -> None:
+    model, fast = optimized_once("llama", "pytorch")  # the user's model left as it was: optimize_tiny checks it
     other_ids, other_mask = prompt(3, 9, padded=4)
     with torch.inference_mode():
         expected = model(input_ids=other_ids, attention_mask=other_mask, use_cache=False)
@@ -255,7 +279,40 @@ def test_threads_and_a_deep_copy_generate_the_originals_tokens(optimized: Any) -
     assert_threads_and_a_deep_copy_generate_the_originals_tokens(*optimized, smallest_batch=1)
 
 
-@pytest.mark.slow  # builds and verifies generation on both engines, twice
+def test_on_the_pytorch_engine_both_graphs_go_through_graphopts_passes_unless_passes_are_turned_off(optimized_once: Callable[[str, str], Any]) -> None:
+    model, fast = optimized_once("gpt2", "pytorch")  # with dropout (Llama has none)
+    ids, mask = prompt(2, 6, padded=2)
+    report = fast.graphopt_report.generation
+    names = {entry.split(" (")[0] for entry in report.passes}
+    assert {"prefill: remove_redundant_transfers", "decode: remove_redundant_transfers", "decode: compute_in_place", "decode: remove_dropout"} <= names
+    assert aten.dropout.default not in ops(fast.generator.steps.decode)
+    assert "graphopt's passes on the graphs: prefill: " in str(fast.graphopt_report)
+    plain = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, passes=[])
+    assert plain.graphopt_report.generation.passes == [] and aten.dropout.default in ops(plain.generator.steps.decode)
+    for optimized in (fast, plain):
+        assert torch.equal(optimized.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
+
+
+def test_openvino_reads_a_generation_steps_inputs_in_place_each_made_contiguous(optimized_once: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, shared = optimized_once("llama", "openvino")
+    fast = copy.deepcopy(shared)  # its runners spied on, the shared module's left as they are
+    calls: list[tuple[bool, list[bool]]] = []
+    for runner in (fast.generator.steps.prefill, fast.generator.steps.decode):
+        request = runner.infer_request(runner.other_sizes_compiled)
+
+        class Spy:
+            def infer(self, arrays: list, share_inputs: bool, request=request) -> object:  # type: ignore[no-untyped-def]
+                calls.append((share_inputs, [array.flags["C_CONTIGUOUS"] for array in arrays]))
+                return request.infer(arrays, share_inputs=share_inputs)
+
+        monkeypatch.setattr(runner, "infer_request", lambda compiled, spy=Spy(): spy)
+    ids, mask = prompt(2, 6, padded=2)
+    tokens = fast.generate(ids, mask, max_new_tokens=4, pad_token_id=EOS)
+    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=4))
+    assert len(calls) == 4 and all(shared and all(contiguous) for shared, contiguous in calls)
+
+
+@pytest.mark.slow  # builds and verifies generation on both engines
 def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("openvino")  # installed by make test
     timed: list[list[str]] = []
@@ -269,7 +326,7 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
     monkeypatch.setattr(tuning, "measure_latencies", fake_timer)
     for name in ("onnxruntime", "inductor"):  # two real builds timed here; the others' builds are the on_engine fixture's
         monkeypatch.setitem(ENGINES, name, dataclasses.replace(ENGINES[name], run_program=None))
-    model = tiny("llama")
+    model = tiny("gpt2", n_layer=1)  # one layer is enough: what is under test is which build tune keeps
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True)
     report = fast.graphopt_report
@@ -279,8 +336,6 @@ def test_tune_generates_on_the_engine_that_generates_fastest_with_the_originals_
     assert "per new token, 16 decode steps in" in report.tune.why and "fp32, the original's greedy tokens" in report.tune.why
     other_ids, other_mask = prompt(3, 9, padded=4)
     assert torch.equal(fast.generate(other_ids, other_mask, max_new_tokens=8), original_generate(model, other_ids, other_mask, max_new_tokens=8))
-    pinned = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True, engine="openvino")  # an option given is kept
-    assert [row.name for row in pinned.graphopt_report.tune.candidates] == ["openvino fp32 generate"]
 
 
 def test_the_reports_times_are_the_prefill_and_the_median_decode_step(optimized: Any, monkeypatch: pytest.MonkeyPatch) -> None:

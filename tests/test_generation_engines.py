@@ -68,6 +68,13 @@ def test_no_engine_compiles_again_for_another_batch_or_length(on_engine: Any) ->
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+@pytest.fixture(scope="module")
+def gpt2_steps() -> graphopt.generation.Steps:
+    """A tiny GPT-2's generation steps, captured once for the module: each engine's tool fails on its prefill below."""
+    ids, mask = prompt(2, 6, padded=2)
+    return graphopt.generation.capture_steps(tiny("gpt2"), ids, mask)
+
+
 def _fail(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("unsupported op aten.made_up")
 
@@ -80,11 +87,11 @@ def _fail(*args: Any, **kwargs: Any) -> Any:
         ("inductor", lambda patch: patch.setattr(torch, "compile", lambda module, **options: _fail), r"engine='inductor' could not compile the generation step \(RuntimeError: unsupported op.*\): use another engine"),
     ],
 )
-def test_an_engine_tool_that_fails_on_a_generation_step_raises_engine_error(monkeypatch: pytest.MonkeyPatch, engine: str, break_tool: Any, message: str) -> None:
+def test_an_engine_tool_that_fails_on_a_generation_step_raises_engine_error(
+    monkeypatch: pytest.MonkeyPatch, engine: str, break_tool: Any, message: str, gpt2_steps: graphopt.generation.Steps
+) -> None:
     if ENGINES[engine].missing():
         pytest.skip(ENGINES[engine].missing())
-    ids, mask = prompt(2, 6, padded=2)
-    steps = graphopt.generation.capture_steps(tiny("gpt2"), ids, mask)
     break_tool(monkeypatch)
     with pytest.raises(EngineError, match=message):
-        ENGINES[engine].make_program_runner(steps.programs[0], "fp32", steps.outputs)
+        ENGINES[engine].make_program_runner(gpt2_steps.programs[0], "fp32", gpt2_steps.outputs)

@@ -1,13 +1,16 @@
 """The graphs generate() runs: GPT-2's Conv1D captured as linears, the prefill's head on the last position only, the
 prompt's attention with no query left attending to nothing, and graphopt's passes on the PyTorch engine (rolled back
-where they fail verification). Tiny GPT-2 and Llama configs, random weights."""
+where they fail verification). Tiny GPT-2 and Llama configs, random weights. The passes optimize applies and OpenVINO's
+inputs read in place are checked in tests/test_generation.py, on the modules its tests build."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -16,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from transformers.pytorch_utils import Conv1D
 
 import graphopt
@@ -25,19 +29,26 @@ from graphopt.errors import VerificationWarning
 from graphopt.passes import PassContext, PassInfo, PassResult
 from graphopt.report import GenerationReport, PassReport
 from tests.conftest import measured_as
-from tests.test_generation import EOS, original_generate, prompt, tiny
+from tests.test_generation import EOS, original_generate, ops, prompt, tiny
 
 aten = torch.ops.aten
 
 
-def ops(graph: fx.GraphModule) -> list[object]:
-    return [node.target for node in graph.graph.nodes if node.op == "call_function"]
+@pytest.fixture(scope="module")
+def captured() -> Callable[[str], tuple[nn.Module, generation.Steps]]:
+    """A tiny model of each kind and the generation graphs captured from its copy (the example prompt: a batch of 2, one
+    row left-padded), once for the module at the first test that asks; tests only read them."""
+
+    def capture(kind: str) -> tuple[nn.Module, generation.Steps]:
+        model = tiny(kind)
+        return model, generation.capture_steps(copy.deepcopy(model), *prompt(2, 6, padded=2))
+
+    return functools.cache(capture)
 
 
-def test_gpt2s_conv1d_layers_are_captured_as_the_linears_they_compute_and_the_users_model_keeps_them() -> None:
-    model = tiny("gpt2")
+def test_gpt2s_conv1d_layers_are_captured_as_the_linears_they_compute_and_the_users_model_keeps_them(captured: Callable[[str], tuple[nn.Module, generation.Steps]]) -> None:
+    model, steps = captured("gpt2")
     ids, mask = prompt(2, 6, padded=2)
-    steps = generation.capture_steps(copy.deepcopy(model), ids, mask)
     for graph in (steps.prefill, steps.decode):
         assert aten.addmm.default not in ops(graph)
         assert ops(graph).count(aten.linear.default) == 2 * 4 + 1  # per layer: attention in and out, MLP up and down; the head
@@ -49,11 +60,9 @@ def test_gpt2s_conv1d_layers_are_captured_as_the_linears_they_compute_and_the_us
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_the_prefill_computes_the_head_on_the_last_position_only(kind: str) -> None:
-    model = tiny(kind)
-    owned = copy.deepcopy(model)
-    steps = generation.capture_steps(owned, *prompt(2, 6))
-    head = owned.get_output_embeddings().weight
+def test_the_prefill_computes_the_head_on_the_last_position_only(kind: str, captured: Callable[[str], tuple[nn.Module, generation.Steps]]) -> None:
+    model, steps = captured(kind)
+    head = model.get_output_embeddings().weight
     (linear,) = [node for node in steps.prefill.graph.nodes if node.target is aten.linear.default and node.args[1].meta["val"].shape == head.shape]
     assert linear.args[0].meta["val"].shape[1] == 1  # (batch, 1 position, width), whatever the prompt's length
 
@@ -65,21 +74,6 @@ def test_a_pad_token_attends_to_itself_only_so_that_no_query_attends_to_nothing(
     expected_padded = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(attention[0, 0], expected_padded)
     assert torch.equal(attention[1, 0], torch.ones(4, 4, dtype=torch.bool).tril())
-
-
-def test_on_the_pytorch_engine_both_graphs_go_through_graphopts_passes_unless_passes_are_turned_off() -> None:
-    model = tiny("gpt2")  # with dropout (Llama has none)
-    ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
-    report = fast.graphopt_report.generation
-    names = {entry.split(" (")[0] for entry in report.passes}
-    assert {"prefill: remove_redundant_transfers", "decode: remove_redundant_transfers", "decode: compute_in_place", "decode: remove_dropout"} <= names
-    assert aten.dropout.default not in ops(fast.generator.steps.decode)
-    assert "graphopt's passes on the graphs: prefill: " in str(fast.graphopt_report)
-    plain = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, passes=[])
-    assert plain.graphopt_report.generation.passes == [] and aten.dropout.default in ops(plain.generator.steps.decode)
-    for optimized in (fast, plain):
-        assert torch.equal(optimized.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
 
 
 def _scale_the_first_linear(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -107,30 +101,9 @@ def test_passes_that_break_the_graphs_are_rolled_back_with_a_warning_and_the_gra
     assert torch.equal(generator.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
 
 
-def test_openvino_reads_a_generation_steps_inputs_in_place_each_made_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("openvino")  # installed by make test
-    model = tiny("llama")
-    ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine="openvino")
-    calls: list[tuple[bool, list[bool]]] = []
-    for runner in (fast.generator.steps.prefill, fast.generator.steps.decode):
-        request = runner.infer_request(runner.other_sizes_compiled)
-
-        class Spy:
-            def infer(self, arrays: list, share_inputs: bool, request=request) -> object:  # type: ignore[no-untyped-def]
-                calls.append((share_inputs, [array.flags["C_CONTIGUOUS"] for array in arrays]))
-                return request.infer(arrays, share_inputs=share_inputs)
-
-        monkeypatch.setattr(runner, "infer_request", lambda compiled, spy=Spy(): spy)
-    tokens = fast.generate(ids, mask, max_new_tokens=4, pad_token_id=EOS)
-    assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=4))
-    assert len(calls) == 4 and all(shared and all(contiguous) for shared, contiguous in calls)
-
-
-def test_tune_times_decode_steps_after_one_prefill_made_at_the_first_call() -> None:
-    model = tiny("llama")
+def test_tune_times_decode_steps_after_one_prefill_made_at_the_first_call(captured: Callable[[str], tuple[nn.Module, generation.Steps]]) -> None:
+    model, steps = captured("llama")
     ids, mask = prompt(1, 5)
-    steps = generation.capture_steps(copy.deepcopy(model), ids, mask)
     calls = {"prefill": 0, "decode": 0}
 
     def counted(name: str, step: object) -> object:

@@ -50,11 +50,11 @@ def test_int8_generation_compresses_the_weights_and_is_held_to_the_accuracy_budg
 def test_int8_generation_over_its_budget_is_refused() -> None:
     ids, mask = prompt(2, 6, padded=2)
     with pytest.raises(VerificationError, match=r"logits of step 1 differently .* over its tolerance 1.0e-03.*larger accuracy= for int8"):
-        graphopt.optimize(tiny("llama"), {"input_ids": ids, "attention_mask": mask}, engine="openvino", precision="int8", accuracy=1e-3)
+        graphopt.optimize(tiny("gpt2", n_layer=1), {"input_ids": ids, "attention_mask": mask}, engine="openvino", precision="int8", accuracy=1e-3)
 
 
 def test_bf16_generation_is_held_to_twice_autocasts_error_on_the_logits() -> None:
-    model = tiny("llama")
+    model = tiny("llama", num_hidden_layers=1)
     ids, mask = prompt(2, 6, padded=2)
     if not native_bf16():
         with pytest.raises(EngineError, match="no native bf16"):
@@ -136,7 +136,7 @@ def test_tune_candidates_are_the_precisions_accuracy_admits_lowest_first() -> No
 
 
 def test_tune_with_an_accuracy_budget_builds_each_admitted_precision_and_keeps_one_within_it() -> None:
-    model = tiny("gpt2")
+    model = tiny("gpt2", n_layer=1)
     ids, mask = prompt(2, 6, padded=2)
     optimized = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True, engine="openvino", accuracy=3e-2)
     rows = {row.name: row for row in optimized.graphopt_report.tune.candidates}

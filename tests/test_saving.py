@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt import cli
+from graphopt import cli, tuning
 from graphopt.errors import ImportNotAllowedError, InputMismatchError, LoadError, SaveError
 from graphopt.report import Report
 from graphopt.runtime.onednn import OneDNNConv, OneDNNLinear
@@ -267,8 +267,19 @@ def test_a_loaded_module_takes_keyword_calls_and_loads_original_checkpoints(roun
     assert compare(fast_copy(ids, mask), loaded(ids, mask)).max_error <= 1e-6
 
 
-def test_report_and_signature_round_trip_through_json() -> None:
-    fast = graphopt.optimize(ConvNet().eval(), images(4))
+@pytest.fixture(scope="module")
+def convnet(tmp_path_factory: pytest.TempPathFactory) -> graphopt.OptimizedModule:
+    """`ConvNet` optimized with the default options (example: a batch of 4), once for the module: the tests and fixtures
+    that take it only read it (call it, save it), each as it would its own."""
+    with pytest.MonkeyPatch.context() as monkeypatch:  # an empty tuning cache, as each test has
+        monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path_factory.mktemp("graphopt-cache")))
+        monkeypatch.setattr(tuning, "_memory_cache", {})
+        torch.manual_seed(0)
+        return graphopt.optimize(ConvNet().eval(), images(4))
+
+
+def test_report_and_signature_round_trip_through_json(convnet: graphopt.OptimizedModule) -> None:
+    fast = convnet
     report = Report.from_dict(json.loads(fast.graphopt_report.to_json()))
     assert report.to_dict() == fast.graphopt_report.to_dict()
     assert report["fold_conv_bn"].state_changes == fast.graphopt_report["fold_conv_bn"].state_changes != []
@@ -293,7 +304,7 @@ def test_torch_save_and_torch_load_work_for_both_frontends(frontend: str) -> Non
     assert shallow.graph_module is fast.graph_module and shallow._parameters is fast._parameters
 
 
-def test_modules_that_cannot_be_saved_say_what_to_do(tmp_path: Path) -> None:
+def test_modules_that_cannot_be_saved_say_what_to_do(tmp_path: Path, convnet: graphopt.OptimizedModule) -> None:
     trained = graphopt.optimize(ConvNet().train(), images(4))
     with pytest.raises(SaveError, match="optimized for training.*state_dict"):
         graphopt.save(trained, tmp_path / "model.pt2")
@@ -301,7 +312,7 @@ def test_modules_that_cannot_be_saved_say_what_to_do(tmp_path: Path) -> None:
         torch.save(trained, io.BytesIO())
     with pytest.raises(SaveError, match="takes the module graphopt.optimize returned, not a Linear"):
         graphopt.save(nn.Linear(2, 2), tmp_path / "model.pt2")
-    fast = graphopt.optimize(ConvNet().eval(), images(4))
+    fast = convnet
     with pytest.raises(SaveError, match="does not end in .pt2"):
         graphopt.save(fast, tmp_path / "model.pt")
     with pytest.raises(SaveError, match="folder .* does not exist"):
@@ -314,8 +325,8 @@ def test_modules_that_cannot_be_saved_say_what_to_do(tmp_path: Path) -> None:
     assert graphopt.load(tmp_path / "model.pt2")(*images(2)).shape == (2, 10)
 
 
-def test_a_failed_save_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fast = graphopt.optimize(ConvNet().eval(), images(4))
+def test_a_failed_save_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, convnet: graphopt.OptimizedModule) -> None:
+    fast = convnet
     destination = tmp_path / "model.pt2"
     real_save = torch.export.save
 
@@ -337,8 +348,8 @@ def test_a_failed_save_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_file_right_at_the_examples_sizes_but_wrong_at_a_second_size_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fast = graphopt.optimize(ConvNet().eval(), images(4))
+def test_a_file_right_at_the_examples_sizes_but_wrong_at_a_second_size_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, convnet: graphopt.OptimizedModule) -> None:
+    fast = convnet
     read = saving._read
 
     def wrong_beyond_the_example(path: Path) -> Callable[..., torch.Tensor]:
@@ -380,9 +391,9 @@ def test_fused_regions_are_saved_as_their_eager_ops(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def saved_file(tmp_path_factory: pytest.TempPathFactory, convnet: graphopt.OptimizedModule) -> Path:
     path = tmp_path_factory.mktemp("file") / "model.pt2"
-    graphopt.save(graphopt.optimize(ConvNet().eval(), images(4)), path)
+    graphopt.save(convnet, path)
     return path
 
 
