@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -50,6 +51,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Module and session fixtures build before each test's `_private_cache` is set: theirs is this run's own empty one,
+    never ~/.cache, so no decision from an earlier run or the user's machine is reused."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path_factory.mktemp("graphopt-session-cache")))
+        patch.delenv("GRAPHOPT_REMEASURE", raising=False)
+        yield
 
 
 @pytest.fixture(autouse=True)
