@@ -29,6 +29,7 @@ from graphopt.backends.fuse_compile import compile_regions
 from graphopt.errors import VerificationError, VerificationWarning, warn_at_caller
 from graphopt.generation import Generator, State, Steps, neutral_config, pad_token, cache_bytes_per_token, capture_steps, on_engine, positions, prompt_of, timed_steps
 from graphopt.passes import PassContext, PassInfo
+from graphopt.passes.compute_in_place import compute_in_place
 from graphopt.pipeline import run_passes
 from graphopt.precision import DEFAULT_INT8_ACCURACY
 from graphopt.report import GenerationReport
@@ -40,7 +41,7 @@ Prompt = tuple[str, torch.Tensor, torch.Tensor]  # (description, input_ids, atte
 REGION_BACKENDS = ("inductor", "torchscript")  # the fuse= backends that compile pointwise regions ("graph": the whole graph)
 # passes the decode graph is left out of: its values are one token per sequence, which allocating costs less than
 # compute_in_place's run-time check (decode step 1.04x GPT-2, 1.05x the small Llama without it; AMD EPYC Zen 2, 2 threads)
-PREFILL_ONLY = ("compute_in_place",)
+PREFILL_ONLY = (compute_in_place,)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
     for name, graph, example in zip(("prefill", "decode"), (steps.prefill, steps.decode), steps.examples, strict=True):
         context = PassContext(mode="inference", example_inputs=example, measure=True, remeasure=passes.remeasure)
         regions = name == "decode" and passes.fuse in REGION_BACKENDS
-        kept = [info for info in infos if (regions or info.fuse != "regions") and not (name == "decode" and info.name in PREFILL_ONLY)]
+        kept = [info for info in infos if (regions or info.fuse != "regions") and not (name == "decode" and info.function in PREFILL_ONLY)]
         graph, reports, _, _ = run_passes(graph, kept, context, None)
         changed += [f"{name}: {report.name} ({len(report.rewrites)} rewrite(s))" for report in reports if report.rewrites]
         if regions:
