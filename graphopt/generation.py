@@ -176,7 +176,7 @@ class Steps:
     outputs: Any  # the steps' output structure (logits, keys, values) as a pytree spec
     examples: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())  # each step's arguments at capture (what graphopt's passes run on)
     dynamic_shapes: tuple[Any, Any] = (None, None)  # each step's dynamic dimensions at capture (torch.export's dynamic_shapes)
-    rewritten: bool = False  # the graphs went through graphopt's passes: a file holds them, not the programs (`portable_programs`)
+    rewritten: bool = False  # the graphs went through graphopt's passes: a file holds them, not the programs (`graphopt.generation_archive.saved_programs`)
 
 
 def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:

@@ -124,9 +124,10 @@ def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
             fusion = compile_regions(graph, passes.fuse, example, context=torch.inference_mode, dynamic_batch=True)
             changed.append(f"{name}: {fusion.lines()[0]}")
         graphs.append(graph)
+    rewritten = dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1], rewritten=bool(changed))
     if passes.fuse == "graph":
         changed.append("fuse='graph' compiled the calls' graph, not generate()'s steps: engine='inductor' compiles those")
-    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1], rewritten=bool(changed)), changed
+    return rewritten, changed
 
 
 def as_captured(steps: Steps) -> Steps:
