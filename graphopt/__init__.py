@@ -13,6 +13,7 @@ from graphopt.diff import GraphDiff, diff
 from graphopt.errors import (
     CaptureError,
     CheckpointError,
+    CompileWarning,
     ExportError,
     GraphoptError,
     InputMismatchError,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "CheckpointError",
+    "CompileWarning",
     "ExportError",
     "ExportReport",
     "GraphDiff",

@@ -64,7 +64,7 @@ def optimize(
     low_precision_ops: Iterable[str] | None = None,
     fp32_ops: Iterable[str] | None = None,
     calibration: Iterable[Any] | None = None,
-    fuse: str | None = None,
+    fuse: str | bool | None = None,
     engine: str = DEFAULT_ENGINE,
     device: str | torch.device | None = None,
     tune: bool = False,
@@ -126,7 +126,11 @@ def optimize(
             compiled by torch.compile), ``"torchscript"`` (the same regions scripted with
             torch.jit.script, deprecated by PyTorch) or ``"graph"`` (the whole optimized
             graph handed to torch.compile). Compiled during ``optimize``; a region whose
-            backend fails stays eager, with the reason in ``report.fusion``.
+            backend fails stays eager, with the reason in ``report.fusion``. For a causal
+            language model's ``generate()`` on the PyTorch engine, ``None`` also compiles the
+            decode graph whole (Inductor, freezing) where it is not measured slower,
+            ``"graph"`` compiles it unmeasured, and ``False`` compiles nothing
+            (``report.generation.compiled``; see `graphopt.generation_build.compile_decode`).
         engine: the runtime the optimized graph runs on (``graphopt.backends.ENGINES``):
             ``"pytorch"`` (default: graphopt's own passes and kernels, any mode and device),
             ``"openvino"``, ``"onnxruntime"`` or ``"inductor"`` (inference; the graph after
@@ -205,7 +209,7 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
 
 def _step_passes(options: Options) -> generation_build.StepPasses:
     """The passes the generation graphs go through on the PyTorch engine: those ``optimize`` selected for inference."""
-    return generation_build.StepPasses(options.pass_infos, options.remeasure, options.fuse)
+    return generation_build.StepPasses(options.pass_infos, options.remeasure, options.fuse if options.compile_decode else False)
 
 
 def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:

@@ -26,7 +26,7 @@ try:
 except package_metadata.PackageNotFoundError:  # run from a source tree that was not installed
     GRAPHOPT_VERSION = "unknown"
 FORMAT = "graphopt.save"
-FORMAT_VERSION = 3  # 2: the generation key (a language model's generate()); 3: its programs after graphopt's passes
+FORMAT_VERSION = 4  # 2: the generation key (a language model's generate()); 3: its programs after graphopt's passes; 4: its decode compiled at load
 METADATA_FILE = "graphopt.json"
 
 

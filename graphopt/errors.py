@@ -83,6 +83,10 @@ class VerificationWarning(UserWarning):
     """A pass failed verification and was rolled back; the rest of the optimization stands."""
 
 
+class CompileWarning(UserWarning):
+    """What ran compiled where it was built cannot be compiled here (graphopt.load without a C++ compiler): it runs as ops."""
+
+
 class SideEffectWarning(UserWarning):
     """forward() has Python side effects (print, writes to objects) that the optimized graph does not run."""
 

@@ -177,6 +177,15 @@ class Steps:
     examples: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())  # each step's arguments at capture (what graphopt's passes run on)
     dynamic_shapes: tuple[Any, Any] = (None, None)  # each step's dynamic dimensions at capture (torch.export's dynamic_shapes)
     rewritten: bool = False  # the graphs went through graphopt's passes: a file holds them, not the programs (`graphopt.generation_archive.saved_programs`)
+    # the PyTorch engine's decode graph runs compiled by Inductor (`graphopt.generation_build.compile_decode`): ``decode``
+    # is an `InductorStepRunner`, whose ``graph`` a file holds and whose compiled code load makes again
+    compiled_decode: bool = False
+
+    @property
+    def graphs(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The prefill and decode graphs these steps run: a compiled decode step's graph, not its runner."""
+        decode: Any = self.decode  # an InductorStepRunner where compiled
+        return self.prefill, decode.graph if self.compiled_decode else decode
 
 
 def on_engine(steps: Steps, engine: EngineInfo, precision: str) -> Steps:

@@ -17,6 +17,7 @@ each step's runner from its files (`EngineInfo.load_program`, checksums checked 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import zipfile
@@ -28,7 +29,8 @@ import torch
 from graphopt import archive_files, generation, load_safety
 from graphopt.archive_metadata import GenerationEntry, StepFiles
 from graphopt.backends import ENGINES, EngineInfo
-from graphopt.errors import LoadError, SaveError, error_summary
+from graphopt.backends.inductor_engine import compiled_step
+from graphopt.errors import CompileWarning, EngineError, LoadError, SaveError, error_summary, warn_at_caller
 from graphopt.report import GenerationReport
 from graphopt.runtime.portable import from_portable, to_portable
 
@@ -77,7 +79,7 @@ def saved_programs(steps: generation.Steps) -> tuple[torch.export.ExportedProgra
     capture; else the programs as they are (as captured, or as loaded)."""
     if not steps.rewritten:
         return steps.programs
-    graphs = (steps.prefill, steps.decode)
+    graphs = steps.graphs
     try:
         with torch.no_grad():
             return tuple(
@@ -104,8 +106,10 @@ def _step_files(runner: Any, folder: Path, engine: str) -> StepFiles:
     return StepFiles(settings=settings, files=files)
 
 
-def read(source: Path, entry: GenerationEntry, members: dict[str, str], report: GenerationReport | None) -> generation.Generator:
-    """The `Generator` of the archive at ``source`` (``members``: its members) from its checked metadata entry and report."""
+def read(source: Path, entry: GenerationEntry, members: dict[str, str], report: GenerationReport | None, compile_decode: bool = True) -> generation.Generator:
+    """The `Generator` of the archive at ``source`` (``members``: its members) from its checked metadata entry and report.
+    A decode graph that ran compiled (``report.decode_compiled``) is compiled again, unless ``compile_decode`` is off (`save`'s
+    check of the file it wrote); where it cannot be, it runs as ops (`_compiled_again`)."""
     if report is None:
         raise _changed(source, "it has a generation entry, and its report no generation")
     if not (isinstance(report.engine, str) and isinstance(report.precision, str) and type(report.max_length) is int):
@@ -131,7 +135,23 @@ def read(source: Path, entry: GenerationEntry, members: dict[str, str], report: 
                 from_portable(runner)
         else:
             runners = [_step_runner(source, members, engine, step, entry["engine"][step], program, outputs, folder) for step, program in zip(STEPS, (prefill, decode))]
-    return generation.Generator(generation.Steps(*runners, report.max_length, (prefill, decode), outputs), config, report)
+    steps = generation.Steps(*runners, report.max_length, (prefill, decode), outputs)
+    if report.decode_compiled and compile_decode:
+        steps = _compiled_again(source, steps, report)
+    return generation.Generator(steps, config, report)
+
+
+def _compiled_again(source: Path, steps: generation.Steps, report: GenerationReport) -> generation.Steps:
+    """``steps`` with the decode graph compiled by Inductor as it was when saved (compiled code is not in the file); where
+    this machine cannot compile it, the graph runs as ops, and a `CompileWarning` and the report say so."""
+    try:
+        runner = compiled_step(steps.programs[1], steps.decode, steps.outputs)
+    except EngineError as error:
+        reason = error_summary(error.__cause__ or error)
+        warn_at_caller(f"{source}: generate()'s decode graph ran compiled by Inductor when saved; here it could not be compiled ({reason}) and runs as ops", CompileWarning)
+        report.compiled, report.decode_compiled = f"decode graph left as ops at load: Inductor could not compile it ({reason})", False
+        return steps
+    return dataclasses.replace(steps, decode=runner, compiled_decode=True)
 
 
 def _generation_config(source: Path, data: dict[str, Any]) -> Any:

@@ -26,13 +26,15 @@ import torch.nn as nn
 from graphopt import verify as verify_outputs
 from graphopt.backends import EngineInfo
 from graphopt.backends.fuse_compile import compile_regions
-from graphopt.errors import VerificationError, VerificationWarning, warn_at_caller
+from graphopt.backends.inductor_engine import compiled_step
+from graphopt.errors import EngineError, VerificationError, VerificationWarning, error_summary, warn_at_caller
 from graphopt.generation import Generator, State, Steps, neutral_config, pad_token, cache_bytes_per_token, capture_steps, on_engine, positions, prompt_of, timed_steps
 from graphopt.passes import PassContext, PassInfo
 from graphopt.passes.compute_in_place import compute_in_place
 from graphopt.pipeline import run_passes
 from graphopt.precision import DEFAULT_INT8_ACCURACY
 from graphopt.report import GenerationReport
+from graphopt.timing import compare_latency
 
 VERIFY_NEW_TOKENS = 8  # greedy tokens compared with the original's generate() on each verification prompt
 # the dtype each precision computes in, for the tolerance's floor (int8: the weights alone; activations stay float)
@@ -42,16 +44,19 @@ REGION_BACKENDS = ("inductor", "torchscript")  # the fuse= backends that compile
 # passes the decode graph is left out of: its values are one token per sequence, which allocating costs less than
 # compute_in_place's run-time check (decode step 1.04x GPT-2, 1.05x the small Llama without it; AMD EPYC Zen 2, 2 threads)
 PREFILL_ONLY = (compute_in_place,)
+COMPILE_MEASURE_BUDGET_S = 1.0  # about how long the decode graph compiled is timed against its ops (`compile_decode`)
 
 
 @dataclass(frozen=True)
 class StepPasses:
-    """graphopt's passes for the prefill and decode graphs on the PyTorch engine (`optimize`'s selection), and how its
-    measured kernel choices are timed."""
+    """graphopt's passes for the prefill and decode graphs on the PyTorch engine (`optimize`'s selection), how its
+    measured kernel choices are timed, and how the decode graph is compiled after them."""
 
     infos: Sequence[PassInfo]
     remeasure: bool = False
-    fuse: str | None = None  # optimize(fuse=...): a region backend compiles the decode graph's pointwise regions
+    # optimize(fuse=...): None (the default) compiles the decode graph whole where it measures faster (`compile_decode`),
+    # "graph" compiles it whole, a region backend compiles its pointwise regions, False compiles nothing
+    fuse: str | bool | None = None
 
 
 def build(
@@ -75,6 +80,9 @@ def build(
     if not engine.own_passes:
         return _verified(original, on_engine(captured, engine, precision), report, fits, owned.generation_config)
     steps, report.passes = with_passes(captured, passes) if passes is not None else (captured, [])
+    if passes is not None and passes.fuse in (None, "graph"):
+        steps, report.compiled = compile_decode(steps, measured=passes.fuse is None)
+        report.decode_compiled = steps.compiled_decode
     try:
         return _verified(original, steps, report, fits, owned.generation_config)
     except VerificationError as error:
@@ -86,6 +94,8 @@ def build(
             VerificationWarning,
         )
         report.passes = [f"rolled back, failing verification ({error.reason})"]
+        if report.decode_compiled:
+            report.compiled, report.decode_compiled = "rolled back with the passes: the decode graph runs as ops", False
         return _verified(original, as_captured(captured), report, fits, owned.generation_config)
 
 
@@ -110,7 +120,8 @@ def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
     generate() stands for the checks `graphopt.pipeline` would run after each pass. The decode graph leaves out
     `PREFILL_ONLY`'s passes. With a region backend
     (``passes.fuse``), the decode graph's pointwise regions are compiled (`compile_regions`, the batch dynamic); the
-    prefill, run once per generate() at any prompt length, keeps its ops."""
+    prefill, run once per generate() at any prompt length, keeps its ops. (`compile_decode` compiles the whole decode
+    graph after these passes.)"""
     infos = [info for info in passes.infos if not info.measured]
     graphs, changed = [], []
     for name, graph, example in zip(("prefill", "decode"), (steps.prefill, steps.decode), steps.examples, strict=True):
@@ -120,14 +131,34 @@ def with_passes(steps: Steps, passes: StepPasses) -> tuple[Steps, list[str]]:
         graph, reports, _, _ = run_passes(graph, kept, context, None)
         changed += [f"{name}: {report.name} ({len(report.rewrites)} rewrite(s))" for report in reports if report.rewrites]
         if regions:
-            assert passes.fuse is not None
+            assert isinstance(passes.fuse, str)
             fusion = compile_regions(graph, passes.fuse, example, context=torch.inference_mode, dynamic_batch=True)
             changed.append(f"{name}: {fusion.lines()[0]}")
         graphs.append(graph)
-    rewritten = dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1], rewritten=bool(changed))
-    if passes.fuse == "graph":
-        changed.append("fuse='graph' compiled the calls' graph, not generate()'s steps: engine='inductor' compiles those")
-    return rewritten, changed
+    return dataclasses.replace(steps, prefill=graphs[0], decode=graphs[1], rewritten=bool(changed)), changed
+
+
+def compile_decode(steps: Steps, measured: bool) -> tuple[Steps, str]:
+    """``steps`` with the decode graph compiled whole by Inductor (freezing, the C++ wrapper: `compiled_step`), and what
+    the report says of it. A decode step is a few hundred small ops at one token per sequence, whose calls cost more than
+    their work: compiled, they become a few loops called from C++. ``measured``: the compiled step is timed against the
+    ops on the capture's decode arguments (paired rounds) and kept unless clearly slower. Where Inductor cannot compile
+    it (no C++ compiler), the graph runs as ops and the line says why."""
+    try:
+        runner = compiled_step(steps.programs[1], steps.decode, steps.outputs)
+    except EngineError as error:
+        return steps, f"decode graph left as ops: Inductor could not compile it ({error_summary(error.__cause__ or error)})"
+    compiled = dataclasses.replace(steps, decode=runner, compiled_decode=True)
+    how = "decode graph compiled whole by Inductor (freezing, C++ wrapper)"
+    if not measured:
+        return compiled, f"{how}, as fuse='graph' asks"
+    args = runner.inputs(steps.examples[1])
+    with torch.inference_mode():  # as generate() runs the steps
+        comparison = compare_latency(lambda: steps.decode(*args), lambda: runner(*args), budget_s=COMPILE_MEASURE_BUDGET_S)
+    figures = f"{comparison.candidate_s * 1e3:.2f} ms per step against {comparison.baseline_s * 1e3:.2f} ms as ops ({comparison.ratio:.2f}x)"
+    if comparison.high < comparison.threshold:
+        return steps, f"decode graph left as ops: compiled by Inductor it measured slower ({figures}); fuse='graph' compiles it anyway"
+    return compiled, f"{how}: {figures}; fuse=False leaves it as ops"
 
 
 def as_captured(steps: Steps) -> Steps:

@@ -71,6 +71,7 @@ class Options:
     strict: bool  # verify="strict"
     tune_accuracy: float | None  # tune=True: the largest error a candidate may have
     generation: bool = False  # a causal language model with its key/value cache: generate() is built too (graphopt.generation)
+    compile_decode: bool = True  # fuse=False turns it off: generate()'s decode graph may be compiled (graphopt.generation_build.compile_decode)
 
     def shared_by_candidates(self) -> dict[str, Any]:
         """The options every tune candidate is built with, as the caller gave them."""
@@ -83,7 +84,7 @@ class Options:
     def fixed_by_caller(self) -> dict[str, Any]:
         """The options tune would choose but the caller set explicitly: kept, not tuned."""
         given = (
-            ("memory_format", self.memory_format, "auto"), ("precision", self.precision, "fp32"), ("fuse", self.fuse, None),
+            ("memory_format", self.memory_format, "auto"), ("precision", self.precision, "fp32"), ("fuse", self.fuse if self.compile_decode else False, None),
             ("passes", self.passes, None), ("engine", self.engine, DEFAULT_ENGINE),
         )  # fmt: skip
         return {name: value for name, value, default in given if value != default}
@@ -107,7 +108,7 @@ def check_options(
     low_precision_ops: Iterable[str] | None,
     fp32_ops: Iterable[str] | None,
     calibration: Iterable[Any] | None,
-    fuse: str | None,
+    fuse: str | bool | None,
     engine: str,
     device: str | torch.device | None,
     tune: bool,
@@ -119,6 +120,8 @@ def check_options(
     forward()'s positional arguments, and the checked options; a bad option raises `InvalidOptionError`, a model that
     cannot be optimized `InvalidModelError`. Runs nothing costly (no forward(), no copy, no capture)."""
     check_model(model)
+    compile_decode = fuse is not False
+    fuse = None if fuse is False else fuse  # False: nothing compiled, generate()'s decode graph included; else as None for the calls
     if mode is None and isinstance(model, OptimizedModule):
         mode = model.graphopt_report.mode  # its graph module's training flag may not say (torch.export's does not)
     model = _unwrap(model, mode)
@@ -160,7 +163,7 @@ def check_options(
     graph_dtype = low_dtype if info.own_passes else None  # another engine computes in the low precision itself
     low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
     if fuse is not None and fuse not in FUSE_BACKENDS:
-        raise InvalidOptionError(f"unknown fuse {fuse!r}: use None or one of {', '.join(map(repr, FUSE_BACKENDS))}")
+        raise InvalidOptionError(f"unknown fuse {fuse!r}: use None, False or one of {', '.join(map(repr, FUSE_BACKENDS))}")
     if memory_format not in MEMORY_FORMATS:
         raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
     # int8 runs the oneDNN kernels it quantizes, unmeasured; another engine gets the portable passes only
@@ -188,6 +191,7 @@ def check_options(
         tune=tune, accuracy=accuracy, tune_budget_s=tune_budget_s, remeasure=remeasure, mode=resolved_mode, info=info, int8=int8,
         int8_accuracy=int8_accuracy, low_dtype=low_dtype, graph_dtype=graph_dtype, low_ops=low_ops, kept_ops=kept_ops,
         measure=measure, pass_infos=pass_infos, strict=strict, tune_accuracy=tune_accuracy, generation=generation,
+        compile_decode=compile_decode,
     )  # fmt: skip
     return model, example_inputs, options
 

@@ -233,6 +233,8 @@ class GenerationReport:
     tolerance: float | None = None  # the logit error allowed: fp32's, twice autocast's in bf16, the accuracy budget in int8
     ties: list[str] = field(default_factory=list)  # low precision: where a token differs from the original's, at a tie
     passes: list[str] = field(default_factory=list)  # the PyTorch engine: what graphopt's passes changed in each graph
+    compiled: str = ""  # the PyTorch engine: how the decode graph runs (compiled by Inductor, or as ops and why)
+    decode_compiled: bool = False  # the decode graph runs compiled (graphopt.load compiles it again)
 
     def lines(self) -> list[str]:
         exact = "tokens equal to the original's" if self.precision == "fp32" else "tokens equal to the original's up to a tie"
@@ -245,6 +247,8 @@ class GenerationReport:
         ]
         if self.passes:
             lines.append(f"    graphopt's passes on the graphs: {'; '.join(self.passes)}")
+        if self.compiled:
+            lines.append(f"    {self.compiled}")
         return lines + [f"    a token differs from the original's after a tie: {tie}" for tie in self.ties]
 
 

@@ -280,7 +280,7 @@ def _write_checked(module: OptimizedModule, signature: InputSignature, program: 
 
     def check(staged: Path) -> None:
         try:
-            loaded = _read(staged)
+            loaded = _read(staged, compile_decode=False)  # the file's graphs, checked as ops: compiling proves nothing of the file
         except LoadError as error:
             raise SaveError(f"graphopt.load refuses the file torch.export.save wrote ({error}). Nothing was written: please report this with the model.") from error
         _compare_runs(module, loaded, signature, "the saved file")
@@ -349,8 +349,9 @@ def _read_metadata(source: Path, what: str, allow_import: bool, loader: str) -> 
     return metadata, fp32_weights, members
 
 
-def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load") -> OptimizedModule:
-    """The module in the file at ``source``; ``loader``: what the caller called (`load`, or torch.load through `from_bytes`)."""
+def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load", compile_decode: bool = True) -> OptimizedModule:
+    """The module in the file at ``source``; ``loader``: what the caller called (`load`, or torch.load through `from_bytes`);
+    ``compile_decode``: compile again a decode graph that ran compiled (off for `save`'s check of the file)."""
     what = f"the module in {source}" if loader == "graphopt.load" else "the pickled module"  # from_bytes reads a scratch file
     metadata, fp32_weights, members = _read_metadata(source, what, allow_import, loader)
     report, signature = archive_metadata.rebuilt(source, metadata)
@@ -368,7 +369,7 @@ def _read(source: Path, allow_import: bool = False, loader: str = "graphopt.load
     module = OptimizedModule(graph_module, report, runner, original_keys=metadata["original_keys"], signature=signature)
     module.inference_mode = metadata["inference_mode"]
     if metadata["generation"] is not None:
-        module.generator = generation_archive.read(source, metadata["generation"], members, report.generation)
+        module.generator = generation_archive.read(source, metadata["generation"], members, report.generation, compile_decode)
     elif report.generation is not None:
         raise LoadError(f"{source}: its report has a generation, and its {METADATA_FILE} no generation entry: it was changed since graphopt.save wrote it. Save the module again.")
     return module

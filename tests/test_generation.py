@@ -207,7 +207,7 @@ def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
     model = tiny("gpt2")
     model.generation_config.repetition_penalty = 1.2
     ids, mask = prompt(1, 6)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})  # verified greedy, which it also sets
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse=False)  # verified greedy, which it also sets; not compiled
     with pytest.raises(InvalidOptionError, match=r"generation_config sets repetition_penalty, which generate\(\) of an optimized model does not apply"):
         fast.generate(ids, mask)
 
@@ -286,10 +286,10 @@ def test_on_the_pytorch_engine_both_graphs_go_through_graphopts_passes_unless_pa
     names = {entry.split(" (")[0] for entry in report.passes}
     assert {"prefill: remove_redundant_transfers", "decode: remove_redundant_transfers", "prefill: compute_in_place", "decode: remove_dropout"} <= names
     assert "decode: compute_in_place" not in names  # one token's values: allocating costs less than the run-time check
-    assert aten.dropout.default not in ops(fast.generator.steps.decode)
+    assert aten.dropout.default not in ops(fast.generator.steps.graphs[1])  # the decode graph, which runs compiled (test_generation_compile.py)
     assert "graphopt's passes on the graphs: prefill: " in str(fast.graphopt_report)
     plain = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, passes=[])
-    assert plain.graphopt_report.generation.passes == [] and aten.dropout.default in ops(plain.generator.steps.decode)
+    assert plain.graphopt_report.generation.passes == [] and aten.dropout.default in ops(plain.generator.steps.graphs[1])
     for optimized in (fast, plain):
         assert torch.equal(optimized.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
 
@@ -364,5 +364,5 @@ def test_sampling_that_differs_from_the_originals_with_the_same_seed_is_refused(
     # greedy agrees: only sampling differs, with graphopt's passes (rolled back, with a warning) and without them
     with pytest.raises(VerificationError, match=r"samples other tokens than the original model's generate\(\) from the same seed"):
         with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs"):
-            graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+            graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse=False)  # the decode graph not compiled: sooner
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left as it was

@@ -1,6 +1,7 @@
 """optimize(fuse=...) of a causal language model: the decode graph's pointwise regions are compiled (the prefill keeps
-its ops), the report says so, and generate() gives the original's tokens at another batch size and prompt length;
-fuse="graph" says it compiled the calls' graph only. A tiny Llama (tests.test_generation's)."""
+its ops), the report says so, and generate() gives the original's tokens at another batch size and prompt length.
+A tiny Llama (tests.test_generation's). fuse="graph" and the default compile the whole decode graph:
+tests/test_generation_compile.py."""
 
 from __future__ import annotations
 
@@ -34,9 +35,3 @@ def test_fuse_compiles_the_decode_graphs_pointwise_regions_and_generates_the_ori
     assert "decode: extract_pointwise_regions" in " ".join(report.passes) and "prefill: extract_pointwise_regions" not in " ".join(report.passes)
     other_ids, other_mask = prompt(3, 9, padded=4, seed=7)
     assert torch.equal(fast.generate(other_ids, other_mask, max_new_tokens=6), original_generate(model, other_ids, other_mask, max_new_tokens=6))
-
-
-def test_fuse_graph_says_generates_steps_are_not_compiled() -> None:
-    ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(tiny("gpt2", n_layer=1), {"input_ids": ids, "attention_mask": mask}, fuse="graph")
-    assert "fuse='graph' compiled the calls' graph, not generate()'s steps: engine='inductor' compiles those" in fast.graphopt_report.generation.passes

@@ -94,8 +94,8 @@ def test_passes_that_break_the_graphs_are_rolled_back_with_a_warning_and_the_gra
     broken = PassInfo("scale_the_first_linear", _scale_the_first_linear, ("inference",), "a broken pass")
     with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs, which failed verification: step 1 logits differ"):
         generator = generation_build.build(
-            model, {"input_ids": ids, "attention_mask": mask}, copy.deepcopy(model), ENGINES["pytorch"], passes=generation_build.StepPasses([broken])
-        )
+            model, {"input_ids": ids, "attention_mask": mask}, copy.deepcopy(model), ENGINES["pytorch"], passes=generation_build.StepPasses([broken], fuse=False)
+        )  # the decode graph not compiled (a compiled one rolled back: tests/test_generation_compile.py)
     assert generator.report.passes == ["rolled back, failing verification (step 1 logits differ on the example prompt)"]
     assert not [node for node in generator.steps.decode.graph.nodes if node.target is aten.mul.Tensor and node.args[1] == 1.5]
     assert torch.equal(generator.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
@@ -132,7 +132,7 @@ def test_large_linears_of_the_generation_graphs_run_on_onednn_where_timed_faster
     monkeypatch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
     model = tiny("gpt2", n_layer=1, n_embd=1024, n_head=16)
     ids, mask = prompt(2, 6, padded=2)
-    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+    fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse=False)  # the graphs' kernels, not compiled
     kernels = (torch.ops.mkldnn._linear_pointwise.default, torch.ops.graphopt.linear_add.default)
     for graph in (fast.generator.steps.prefill, fast.generator.steps.decode):
         assert sum(target in kernels for target in ops(graph)) == 4  # attention in and out, MLP up and down; the 100-row head is small

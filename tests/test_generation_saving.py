@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 import graphopt
-from graphopt import cli, generation, generation_archive
+from graphopt import cli, generation, generation_archive, generation_build
 from graphopt.archive_metadata import GenerationEntry, StepFiles
 from graphopt.backends import ENGINES
 from graphopt.errors import InputMismatchError, ModeSwitchError, SaveError
@@ -62,7 +62,7 @@ results = {{}}
 for name in sys.argv[1:]:
     module = graphopt.load(name + ".pt2", allow_import=True)
     steps = module.generator.steps
-    kernels = [str(node.target) in {ONEDNN_LINEARS!r} for graph in (steps.prefill, steps.decode) if hasattr(graph, "graph") for node in graph.graph.nodes]
+    kernels = [str(node.target) in {ONEDNN_LINEARS!r} for graph in steps.graphs if hasattr(graph, "graph") for node in graph.graph.nodes]
     greedy = module.generate(ids, mask, max_new_tokens={NEW_TOKENS})
     torch.manual_seed({SEED})
     sampled = module.generate(ids, mask, max_new_tokens={NEW_TOKENS}, **{SAMPLING!r})
@@ -71,7 +71,10 @@ for name in sys.argv[1:]:
         refusal = "none"
     except GraphoptError as error:
         refusal = type(error).__name__ + ": " + str(error)
-    results[name] = {{"greedy": greedy, "sampled": sampled, "refusal": refusal, "report": repr(module.graphopt_report.generation), "onednn_linears": sum(kernels)}}
+    results[name] = {{
+        "greedy": greedy, "sampled": sampled, "refusal": refusal, "report": repr(module.graphopt_report.generation), "onednn_linears": sum(kernels),
+        "compiled": type(steps.decode).__name__ if steps.compiled_decode else None,
+    }}
 torch.save(results, "results.pt")
 """
 
@@ -93,6 +96,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         with pytest.MonkeyPatch.context() as patch:  # on PyTorch: every linear on oneDNN, measured faster by a stub
             patch.setattr(LINEAR_PASS, "MIN_WEIGHT_ELEMENTS", 1)
             patch.setattr(LINEAR_PASS, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
+            patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(1.0, 1.0))  # a tie: decode compiled
             fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
         cases[name] = {"model": model, "module": fast, "path": graphopt.save(fast, folder / f"{name}.pt2")}
     torch.save(the_prompt(), folder / "prompt.pt")
@@ -126,8 +130,10 @@ def test_the_loaded_report_and_refusals_are_the_saved_modules(name: str, saved: 
     assert bool(passes) == (name.endswith("pytorch"))  # graphopt's passes on the PyTorch engine, kept in the file
     assert fresh[name]["report"] == repr(fast.graphopt_report.generation)
     steps = fast.generator.steps
-    linears = sum(str(node.target) in ONEDNN_LINEARS for graph in (steps.prefill, steps.decode) if hasattr(graph, "graph") for node in graph.graph.nodes)
+    linears = sum(str(node.target) in ONEDNN_LINEARS for graph in steps.graphs if hasattr(graph, "graph") for node in graph.graph.nodes)
     assert fresh[name]["onednn_linears"] == linears == (0 if name.endswith("openvino") else 18)  # 2 layers x 4, and the head, per graph
+    # the decode graph ran compiled by Inductor (the default): the fresh process compiled it again
+    assert fresh[name]["compiled"] == ("InductorStepRunner" if name.endswith("pytorch") else None) and steps.compiled_decode == name.endswith("pytorch")
     assert fast.graphopt_report.generation.engine == name.split("-")[1]
     with pytest.raises(InputMismatchError) as refused:
         fast.generate(*the_prompt(), max_new_tokens=500)

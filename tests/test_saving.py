@@ -352,8 +352,8 @@ def test_a_file_right_at_the_examples_sizes_but_wrong_at_a_second_size_is_not_wr
     fast = convnet
     read = saving._read
 
-    def wrong_beyond_the_example(path: Path) -> Callable[..., torch.Tensor]:
-        loaded = read(path)
+    def wrong_beyond_the_example(path: Path, **options: Any) -> Callable[..., torch.Tensor]:
+        loaded = read(path, **options)
         return lambda x: loaded(x) + (x.shape[0] != 4)  # the written file, loaded back, off at other batch sizes only
 
     monkeypatch.setattr(saving, "_read", wrong_beyond_the_example)

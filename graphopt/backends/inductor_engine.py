@@ -30,13 +30,17 @@ dynamic dimension has size 1 in a call but not in the example: Dynamo specialize
 
 A language model's generation steps (`program_runner`, `graphopt.generation`) are torch.export
 programs whose shapes change with every call: each program's module is compiled the same way
-(freezing, fullgraph, inference mode) with torch.export's dynamic dimensions marked dynamic, once
-for every batch size and prompt and cache length (`InductorStepRunner`).
+(freezing, fullgraph, inference mode), and with Inductor's C++ wrapper (a step is a few hundred
+small ops, whose Python calls cost more than their work at one token), with torch.export's dynamic
+dimensions marked dynamic, for every batch size and prompt and cache length (`InductorStepRunner`).
+The PyTorch engine compiles its decode graph, after graphopt's passes, with the same runner
+(`compiled_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -144,13 +148,13 @@ def _compile(graph_module: fx.GraphModule, example_inputs: tuple[Any, ...], dims
 
 
 @contextlib.contextmanager
-def _compiling(what: str) -> Iterator[None]:
-    """Freezing on while the first call compiles (see `_compile`); Inductor's own error (no C++ compiler, an unsupported
-    op, a graph break) becomes `EngineError`, quoted, saying what to do."""
+def _compiling(what: str, **settings: Any) -> Iterator[None]:
+    """Freezing (and Inductor's other ``settings``) on while the first call compiles (see `_compile`); Inductor's own error
+    (no C++ compiler, an unsupported op, a graph break) becomes `EngineError`, quoted, saying what to do."""
     from torch._inductor import config, exc  # here, not at the top: Inductor takes seconds to import, and only a build needs it
 
     try:
-        with config.patch(freezing=True):
+        with config.patch(freezing=True, **settings):
             yield
     except Exception as error:
         cause = getattr(error, "inner_exception", None) or error  # Dynamo's wrapper around the backend's own error
@@ -160,48 +164,82 @@ def _compiling(what: str) -> Iterator[None]:
 
 class InductorStepRunner(EngineRunner):
     """A language model's generation step (`graphopt.generation`: its shapes change with every call, the cache growing
-    a token per step) compiled by Inductor with freezing, once, for every batch size and prompt and cache length.
+    a token per step) compiled by Inductor with freezing and its C++ wrapper, for every batch size and prompt and cache
+    length: ``program``'s module, or ``graph`` (the PyTorch engine's decode graph after graphopt's passes, which takes
+    the program's arguments).
 
     Compiled with the dimensions torch.export made dynamic marked dynamic, and without duck shaping (dimensions of one
     size in the example, e.g. batch 2 and a prompt of 2 tokens, are not assumed equal), so that no later length compiles
     again. Generation runs under ``torch.inference_mode`` and the decode step takes the cache the step before returned:
     the compiled graph takes inference tensors, contiguous (Dynamo guards on both), and each call's inputs are made so
     (free for the cache the compiled step returned; a copy of the prompt and of the prefill's strided cache).
-    Dynamo still specializes sizes 0 and 1: a batch of one prompt compiles each step once more (then cached, without
-    freezing).
+    Dynamo specializes sizes 0 and 1: a batch of one prompt is compiled once more, here too. Every call runs with the
+    settings of these compiles (`STEP_SETTINGS`, one call at a time: they are the process's), so that any later compile
+    is frozen too: freezing hands the weights to Inductor as constants, which oneDNN's linears in graphopt's graph need.
     """
 
     engine = "inductor"
 
-    def __init__(self, program: torch.export.ExportedProgram, outputs: pytree.TreeSpec) -> None:
+    def __init__(self, program: torch.export.ExportedProgram, outputs: pytree.TreeSpec, graph: fx.GraphModule | None = None) -> None:
         super().__init__()
         self.outputs = outputs
         # held, not registered: the runner's module tree stays out of the compiled graph's guards
-        object.__setattr__(self, "compiled", torch.compile(program.module(), fullgraph=True))
+        object.__setattr__(self, "graph", graph)
+        object.__setattr__(self, "compiled", torch.compile(graph if graph is not None else program.module(), fullgraph=True))
         args, _ = program.example_inputs
         with torch.inference_mode():  # copies: the marks stay off the program's example
             leaves, spec = pytree.tree_flatten(pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.clone(memory_format=torch.contiguous_format), args))
         placeholders = [node.meta["val"] for node in program.graph.find_nodes(op="placeholder") if node.name in set(program.graph_signature.user_inputs)]
-        for leaf, value in zip(leaves, placeholders, strict=True):
-            dynamic = [dim for dim, size in enumerate(value.shape) if not is_concrete_int(size)]
-            if dynamic:
-                torch._dynamo.mark_dynamic(leaf, dynamic)
-        from torch.fx.experimental import _config as shapes
-
-        with _compiling("the generation step"), shapes.patch(use_duck_shape=False), torch.inference_mode():
-            self.compiled(*pytree.tree_unflatten(leaves, spec))  # compiled now: the first call is as fast as the next
+        dims = [[dim for dim, size in enumerate(value.shape) if not is_concrete_int(size)] for value in placeholders]
+        with torch.inference_mode():  # the example's first sequence: a batch of one compiles apart (see above)
+            first = [leaf[:1].clone() if 0 in mine else leaf for leaf, mine in zip(leaves, dims, strict=True)]
+        for example in (leaves, first):
+            for leaf, dynamic in zip(example, dims, strict=True):
+                if dynamic:
+                    torch._dynamo.mark_dynamic(leaf, dynamic)
+            with _SETTINGS_LOCK, _compiling("the generation step", **STEP_SETTINGS), _step_shapes(), torch.inference_mode():
+                self.compiled(*pytree.tree_unflatten(example, spec))  # compiled now: the first call is as fast as the next
 
     @staticmethod
     def inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``args`` as the compiled step takes them: inference tensors, contiguous."""
+        """``args`` as the compiled step takes them: inference tensors with a contiguous tensor's strides, those of
+        dimensions of size one included (Dynamo guards on them: the decode step's position, sliced from a mask one token
+        longer at each step, would compile it again at every step)."""
         with torch.inference_mode():
             return pytree.tree_map_only(
-                torch.Tensor, lambda tensor: tensor if tensor.is_inference() and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format), args
+                torch.Tensor, lambda tensor: tensor if tensor.is_inference() and _dense(tensor) else tensor.clone(memory_format=torch.contiguous_format), args
             )
 
     def run(self, args: tuple[Any, ...]) -> Any:
-        with torch.inference_mode():
-            return pytree.tree_unflatten(pytree.tree_leaves(self.compiled(*self.inputs(args))), self.outputs)
+        from torch._inductor import config
+
+        inputs = self.inputs(args)
+        with _SETTINGS_LOCK, config.patch(freezing=True, **STEP_SETTINGS), _step_shapes(), torch.inference_mode():
+            return pytree.tree_unflatten(pytree.tree_leaves(self.compiled(*inputs)), self.outputs)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has the strides a contiguous tensor of its shape has."""
+    expected, stride = [], 1
+    for size in reversed(tensor.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return tensor.stride() == tuple(reversed(expected))
+
+
+def _step_shapes() -> contextlib.AbstractContextManager[None]:
+    """Dynamo's shape setting for a generation step: no duck shaping (see `InductorStepRunner`)."""
+    from torch.fx.experimental import _config as shapes
+
+    return shapes.patch(use_duck_shape=False)
+
+
+_SETTINGS_LOCK = threading.Lock()  # InductorStepRunner.run sets process-wide settings for its call: one call at a time
+
+
+# Inductor's settings for a generation step, beside freezing: the C++ wrapper calls the step's kernels without Python
+# (the small Llama's decode step 9.9 against 11.1 ms with Python's wrapper; AMD EPYC Zen 2, 2 threads)
+STEP_SETTINGS = {"cpp_wrapper": True}
 
 
 def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> InductorStepRunner:
@@ -210,6 +248,17 @@ def program_runner(program: torch.export.ExportedProgram, precision: str, output
     if precision != "fp32":
         raise EngineError(f"engine='inductor' runs a generation step in fp32, not {precision!r}")
     return InductorStepRunner(program, outputs)
+
+
+def compiled_step(program: torch.export.ExportedProgram, graph: fx.GraphModule, outputs: pytree.TreeSpec) -> InductorStepRunner:
+    """``graph`` (a generation step's graph after graphopt's passes, taking ``program``'s arguments) compiled now for
+    ``program``'s dynamic shapes; `EngineError` where Inductor cannot (no C++ compiler, an op it cannot lower)."""
+    try:
+        return InductorStepRunner(program, outputs, graph)
+    except EngineError:
+        raise
+    except Exception as error:
+        raise EngineError(f"Inductor could not compile the generation step ({error_summary(error)})") from error
 
 
 def build(request: EngineInput) -> InductorRunner:

@@ -1,0 +1,184 @@
+"""generate()'s decode graph on the PyTorch engine compiled whole by Inductor after graphopt's passes
+(`graphopt.generation_build.compile_decode`): by default where it is not measured slower, with fuse="graph" always,
+never with fuse=False; a compile that fails leaves the graph as ops, saying why; the compiled step compiles nothing more
+for other batch sizes and lengths; a loaded file compiles it again.
+
+One real default build of a tiny Llama is shared by the tests that read it (each compile takes seconds); the choices
+are tested on a stub compiler and a stub timer. tests/test_generation.py checks the default build's tokens against
+the original's at other lengths, batches and with sampling; tests/test_generation_saving.py a fresh process's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt import generation, generation_archive, generation_build
+from graphopt.backends import ENGINES
+from graphopt.backends.inductor_engine import InductorStepRunner
+from graphopt.errors import CompileWarning, EngineError, InvalidOptionError, VerificationWarning
+from graphopt.passes import PassInfo
+from tests.conftest import measured_as
+from tests.test_generation import EOS, original_generate, prompt, tiny
+
+ONEDNN_LINEARS = ("mkldnn._linear_pointwise.default", "graphopt.linear_add.default")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> tuple[nn.Module, graphopt.OptimizedModule]:
+    """A tiny Llama and its default optimize, every linear on oneDNN (as on a language model's sizes: a stub timer and a
+    lowered size threshold), which Inductor's freezing must hand the weights to as constants."""
+    model = tiny("llama")
+    ids, mask = prompt(2, 6, padded=2)
+    with pytest.MonkeyPatch.context() as patch:
+        linear_pass = __import__("graphopt.passes.use_onednn_linear", fromlist=["_"])
+        patch.setattr(linear_pass, "MIN_WEIGHT_ELEMENTS", 1)
+        patch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
+        patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(1.0, 1.0))  # a tie keeps it compiled
+        return model, graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
+
+
+def test_the_default_compiles_the_decode_graph_after_graphopts_passes_and_says_so(compiled: Any) -> None:
+    _, fast = compiled
+    steps, report = fast.generator.steps, fast.graphopt_report.generation
+    assert steps.compiled_decode and isinstance(steps.decode, InductorStepRunner) and report.decode_compiled
+    assert isinstance(steps.prefill, torch.fx.GraphModule)  # run once per generate(), at any prompt length: kept as ops
+    _, decode = steps.graphs
+    linears = sum(node.target is torch.ops.aten.linear.default for node in steps.programs[1].graph.nodes)  # 2 layers x 7, the head
+    assert decode is steps.decode.graph and sum(str(node.target) in ONEDNN_LINEARS for node in decode.graph.nodes) == linears == 15
+    assert report.compiled.startswith("decode graph compiled whole by Inductor (freezing, C++ wrapper): ")
+    assert "fuse=False leaves it as ops" in report.compiled and report.compiled in str(fast.graphopt_report)
+
+
+def test_the_compiled_step_compiles_nothing_more_for_other_batches_lengths_or_strides(compiled: Any) -> None:
+    """Built for a batch of one and for the rest (Dynamo specializes size one): nothing compiles again for any batch,
+    prompt or cache length, and a position sliced from a longer mask (strides other than a contiguous tensor's, which
+    Dynamo guards on) is copied, not compiled for."""
+    model, fast = compiled
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for batch, length, padded in ((1, 3, 0), (1, 9, 0), (2, 5, 1), (3, 7, 2)):
+            ids, mask = prompt(batch, length, padded, seed=length)
+            assert torch.equal(fast.generate(ids, mask, max_new_tokens=6, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=6))
+    with torch.inference_mode():
+        position = generation.positions(torch.ones(1, 11, dtype=torch.long))[:, -1:]  # as State.advance slices it
+    assert position.stride() != (1, 1) and position.is_contiguous()
+    (copied,) = InductorStepRunner.inputs((position,))
+    assert copied.stride() == (1, 1) and torch.equal(copied, position)
+
+
+@pytest.fixture()
+def stub_compiler(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`compiled_step` replaced by the graph itself under a marker (no compile): what it was asked to compile."""
+    asked: list[str] = []
+
+    def compile_stub(program: Any, graph: Any, outputs: Any) -> Any:
+        asked.append(type(graph).__name__)
+        step = lambda *args: graph(*args)  # noqa: E731 - a callable standing for the compiled runner
+        step.graph = graph  # type: ignore[attr-defined]
+        step.inputs = lambda args: args  # type: ignore[attr-defined]
+        return step
+
+    monkeypatch.setattr(generation_build, "compiled_step", compile_stub)
+    return asked
+
+
+def _optimize(**options: Any) -> graphopt.OptimizedModule:
+    ids, mask = prompt(2, 6, padded=2)
+    return graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, **options)
+
+
+@pytest.mark.parametrize(
+    ("ops_s", "step_s", "kept"), [(2.0, 1.0, True), (1.0, 1.0, True), (1.0, 2.0, False)], ids=["faster", "a tie", "slower"]
+)
+def test_by_default_the_compiled_step_is_kept_unless_it_measures_clearly_slower(
+    stub_compiler: list[str], monkeypatch: pytest.MonkeyPatch, ops_s: float, step_s: float, kept: bool
+) -> None:
+    timed: list[int] = []
+
+    def timer(ops: Callable[[], Any], step: Callable[[], Any], budget_s: float) -> Any:
+        assert torch.equal(ops()[0], step()[0])  # both run the decode step on the capture's arguments
+        timed.append(1)
+        return measured_as(ops_s, step_s)
+
+    monkeypatch.setattr(generation_build, "compare_latency", timer)
+    fast = _optimize()
+    report = fast.graphopt_report.generation
+    assert stub_compiler == ["GraphModule"] and timed == [1]
+    assert fast.generator.steps.compiled_decode is kept and report.decode_compiled is kept
+    if kept:
+        assert report.compiled.startswith("decode graph compiled whole by Inductor") and f"({ops_s / step_s:.2f}x)" in report.compiled
+    else:
+        assert report.compiled.startswith("decode graph left as ops: compiled by Inductor it measured slower (") and "fuse='graph' compiles it anyway" in report.compiled
+
+
+def test_fuse_graph_compiles_it_unmeasured_and_fuse_false_compiles_nothing(stub_compiler: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation_build, "compare_latency", lambda *args, **kwargs: pytest.fail("timed"))
+    always = _optimize(fuse="graph")
+    assert always.generator.steps.compiled_decode and always.graphopt_report.generation.compiled.endswith(", as fuse='graph' asks")
+    never = _optimize(fuse=False)
+    assert stub_compiler == ["GraphModule"]  # fuse="graph"'s alone
+    assert not never.generator.steps.compiled_decode and never.graphopt_report.generation.compiled == ""
+    assert never.graphopt_report.generation.passes  # graphopt's passes still ran
+    with pytest.raises(InvalidOptionError, match="unknown fuse True: use None, False or one of"):
+        _optimize(fuse=True)
+
+
+def test_a_compile_that_fails_leaves_the_decode_graph_as_ops_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler(program: Any, graph: Any, outputs: Any) -> Any:
+        raise EngineError("engine='inductor' could not compile the generation step (InvalidCxxCompiler: no working C++ compiler found)") from RuntimeError(
+            "InvalidCxxCompiler: no working C++ compiler found"
+        )
+
+    monkeypatch.setattr(generation_build, "compiled_step", no_compiler)
+    fast = _optimize()
+    report = fast.graphopt_report.generation
+    assert not fast.generator.steps.compiled_decode and not report.decode_compiled
+    assert report.compiled == "decode graph left as ops: Inductor could not compile it (RuntimeError: InvalidCxxCompiler: no working C++ compiler found)"
+
+
+def test_a_file_loaded_where_inductor_cannot_compile_runs_the_decode_graph_as_ops_and_warns(
+    compiled: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, fast = compiled
+    path = graphopt.save(fast, tmp_path / "llama.pt2")
+
+    def no_compiler(program: Any, graph: Any, outputs: Any) -> Any:
+        raise EngineError("no") from RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(generation_archive, "compiled_step", no_compiler)
+    with pytest.warns(CompileWarning, match="ran compiled by Inductor when saved; here it could not be compiled .*runs as ops"):
+        loaded = graphopt.load(path)
+    report = loaded.graphopt_report.generation
+    assert not loaded.generator.steps.compiled_decode and not report.decode_compiled
+    assert report.compiled.startswith("decode graph left as ops at load: Inductor could not compile it (RuntimeError: InvalidCxxCompiler")
+    ids, mask = prompt(2, 5, padded=1, seed=3)
+    assert torch.equal(loaded.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
+    assert fast.graphopt_report.generation.decode_compiled  # the saved module's own report is untouched
+
+
+def test_passes_rolled_back_take_the_compiled_step_with_them(stub_compiler: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass that breaks the graphs fails verification after the decode graph was compiled: both are rolled back."""
+    from tests.test_generation_graphs import _scale_the_first_linear
+
+    monkeypatch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(2.0, 1.0))
+    model = tiny("llama")
+    ids, mask = prompt(2, 6, padded=2)
+    broken = PassInfo("scale_the_first_linear", _scale_the_first_linear, ("inference",), "a broken pass")
+    with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs"):
+        generator = generation_build.build(
+            model, {"input_ids": ids, "attention_mask": mask}, copy.deepcopy(model), ENGINES["pytorch"], passes=generation_build.StepPasses([broken])
+        )
+    assert stub_compiler == ["GraphModule"] and not generator.steps.compiled_decode and not generator.report.decode_compiled
+    assert generator.report.compiled == "rolled back with the passes: the decode graph runs as ops"
+    assert torch.equal(generator.generate(ids, mask, max_new_tokens=5, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=5))
