@@ -95,7 +95,7 @@ def stub_compiler(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _optimize(**options: Any) -> graphopt.OptimizedModule:
     ids, mask = prompt(2, 6, padded=2)
-    return graphopt.optimize(tiny("gpt2"), {"input_ids": ids, "attention_mask": mask}, **options)
+    return graphopt.optimize(tiny("gpt2", n_layer=1), {"input_ids": ids, "attention_mask": mask}, **options)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +172,7 @@ def test_passes_rolled_back_take_the_compiled_step_with_them(stub_compiler: list
     from tests.test_generation_graphs import _scale_the_first_linear
 
     monkeypatch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(2.0, 1.0))
-    model = tiny("llama")
+    model = tiny("llama", num_hidden_layers=1)
     ids, mask = prompt(2, 6, padded=2)
     broken = PassInfo("scale_the_first_linear", _scale_the_first_linear, ("inference",), "a broken pass")
     with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs"):
