@@ -11,6 +11,7 @@ the original's at other lengths, batches and with sampling; tests/test_generatio
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ def compiled() -> tuple[nn.Module, graphopt.OptimizedModule]:
     model = tiny("llama", num_hidden_layers=1)
     ids, mask = prompt(2, 6, padded=2)
     with pytest.MonkeyPatch.context() as patch:
-        linear_pass = __import__("graphopt.passes.use_onednn_linear", fromlist=["_"])
+        linear_pass = importlib.import_module("graphopt.passes.use_onednn_linear")  # the module (graphopt.passes names the function)
         patch.setattr(linear_pass, "MIN_WEIGHT_ELEMENTS", 1)
         patch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
         patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(1.0, 1.0))  # a tie keeps it compiled

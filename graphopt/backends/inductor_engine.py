@@ -117,7 +117,16 @@ def _as_compiled(tensor: torch.Tensor, memory_format: torch.memory_format) -> to
     is already so, a copy otherwise.
     """
     tensor = tensor.detach()
-    return tensor.clone(memory_format=memory_format) if tensor.is_inference() else tensor.contiguous(memory_format=memory_format)
+    return tensor if not tensor.is_inference() and _has_compiled_strides(tensor, memory_format) else tensor.clone(memory_format=memory_format)
+
+
+def _has_compiled_strides(tensor: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+    """Whether ``tensor`` has exactly the strides a copy in ``memory_format`` has, those of dimensions of size one
+    included: Dynamo guards on them, where ``is_contiguous`` ignores them (a batch of one sliced from a larger tensor)."""
+    from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+
+    expected = make_contiguous_strides_for(tensor.shape) if memory_format == torch.contiguous_format else make_channels_last_strides_for(tensor.shape)
+    return tensor.stride() == tuple(expected)
 
 
 def _compile(graph_module: fx.GraphModule, example_inputs: tuple[Any, ...], dims: Dims, precision: str) -> InductorRunner:
@@ -207,7 +216,7 @@ class InductorStepRunner(EngineRunner):
         longer at each step, would compile it again at every step)."""
         with torch.inference_mode():
             return pytree.tree_map_only(
-                torch.Tensor, lambda tensor: tensor if tensor.is_inference() and _dense(tensor) else tensor.clone(memory_format=torch.contiguous_format), args
+                torch.Tensor, lambda tensor: tensor if tensor.is_inference() and _has_compiled_strides(tensor) else tensor.clone(memory_format=torch.contiguous_format), args
             )
 
     def run(self, args: tuple[Any, ...]) -> Any:
@@ -216,15 +225,6 @@ class InductorStepRunner(EngineRunner):
         inputs = self.inputs(args)
         with _SETTINGS_LOCK, config.patch(freezing=True, **STEP_SETTINGS), _step_shapes(), torch.inference_mode():
             return pytree.tree_unflatten(pytree.tree_leaves(self.compiled(*inputs)), self.outputs)
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` has the strides a contiguous tensor of its shape has."""
-    expected, stride = [], 1
-    for size in reversed(tensor.shape):
-        expected.append(stride)
-        stride *= max(size, 1)
-    return tensor.stride() == tuple(reversed(expected))
 
 
 def _step_shapes() -> contextlib.AbstractContextManager[None]:

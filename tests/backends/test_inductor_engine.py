@@ -225,3 +225,21 @@ def test_optimize_verifies_and_serves_the_one_graph_compiled_in_bf16(model: nn.M
     with torch.no_grad():
         assert_matches(model(other), optimized(other), compute_dtype=torch.bfloat16)
     assert compiled_graphs() == before + 1  # the example, the second input and the call all ran the graph built
+
+
+class _PerRow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 2 + 1
+
+
+def test_an_input_whose_size_one_dimension_has_another_stride_compiles_nothing_more() -> None:
+    """A (batch, 1, 8) input whose size-1 dimension has another stride than a copy's is contiguous to ``is_contiguous``,
+    but Dynamo guards on that stride: the runner copies it (values kept) rather than compile again, without freezing."""
+    runner = built(_PerRow(), (torch.randn(3, 1, 8),), (frozenset({0}),))
+    odd = torch.randn(4, 1, 8).as_strided((4, 1, 8), (8, 99, 1))
+    assert odd.is_contiguous() and odd.stride() != (8, 8, 1)
+    before = compiled_graphs()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = runner(odd)
+    assert compiled_graphs() == before
+    assert_matches(_PerRow()(odd), out)
