@@ -4,8 +4,9 @@ never with fuse=False; a compile that fails leaves the graph as ops, saying why;
 for other batch sizes and lengths; a loaded file compiles it again.
 
 One real default build of a tiny Llama is shared by the tests that read it (each compile takes seconds); the choices
-are tested on a stub compiler and a stub timer. tests/test_generation.py checks the default build's tokens against
-the original's at other lengths, batches and with sampling; tests/test_generation_saving.py a fresh process's.
+are tested on a stub compiler and a stub timer. tests/test_generation.py checks the generation loop on the decode graph
+as ops (other lengths, batches, sampling options, eos); the compiled step's tokens are checked here (other batches and
+lengths, seeded sampling, threads and a deep copy), and in a fresh process by tests/test_generation_saving.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from graphopt.backends.inductor_engine import InductorStepRunner
 from graphopt.errors import CompileWarning, EngineError, InvalidOptionError, VerificationWarning
 from graphopt.passes import PassInfo
 from tests.conftest import measured_as
-from tests.test_generation import EOS, original_generate, prompt, tiny
+from tests.test_generation import EOS, assert_threads_and_a_deep_copy_generate_the_originals_tokens, original_generate, prompt, tiny
 
 ONEDNN_LINEARS = ("mkldnn._linear_pointwise.default", "graphopt.linear_add.default")
 
@@ -76,6 +77,21 @@ def test_the_compiled_step_compiles_nothing_more_for_other_batches_lengths_or_st
     assert position.stride() != (1, 1) and position.is_contiguous()
     (copied,) = InductorStepRunner.inputs((position,))
     assert copied.stride() == (1, 1) and torch.equal(copied, position)
+
+
+def test_the_compiled_step_samples_the_originals_tokens_from_a_seed(compiled: Any) -> None:
+    model, fast = compiled
+    ids, mask = prompt(2, 6, padded=1)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        tokens = fast.generate(ids, mask, max_new_tokens=8, do_sample=True, top_k=20, top_p=0.9, temperature=0.8)
+        torch.manual_seed(seed)
+        assert torch.equal(tokens, original_generate(model, ids, mask, max_new_tokens=8, do_sample=True, top_k=20, top_p=0.9, temperature=0.8))
+
+
+def test_threads_and_a_deep_copy_share_the_compiled_step(compiled: Any) -> None:
+    """The compiled step runs one call at a time (its settings are the process's): threads wait their turn."""
+    assert_threads_and_a_deep_copy_generate_the_originals_tokens(*compiled, smallest_batch=1)
 
 
 @pytest.fixture()

@@ -159,8 +159,9 @@ def test_graphs_after_passes_that_torch_export_cannot_write_are_refused_saying_w
     assert list(tmp_path.iterdir()) == []
 
 
+@OPENVINO
 def test_the_loaded_module_refuses_new_weights_and_devices_as_the_saved_one(saved: dict[str, Any]) -> None:
-    loaded = graphopt.load(saved["gpt2-pytorch"]["path"], allow_import=True)
+    loaded = graphopt.load(saved["llama-openvino"]["path"], allow_import=True)  # the one that loads without compiling
     assert loaded.graphopt_report.generation is not None and loaded.generator is not None
     with pytest.raises(ModeSwitchError, match=r"this module's generate\(\) runs graphs with their own copy of the weights"):
         loaded.load_state_dict(loaded.state_dict())
@@ -261,9 +262,11 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@OPENVINO
 def test_graphopt_run_generates_in_a_fresh_process(saved: dict[str, Any], tmp_path: Path) -> None:
-    """Sampled from --seed, the prompt a file of a tokenizer's output, the tokens printed and written with --output."""
-    model, path = saved["gpt2-pytorch"]["model"], saved["gpt2-pytorch"]["path"]
+    """Sampled from --seed, the prompt a file of a tokenizer's output, the tokens printed and written with --output (on
+    the file that loads without compiling: the PyTorch one's fresh load is `fresh`'s)."""
+    model, path = saved["llama-openvino"]["model"], saved["llama-openvino"]["path"]
     ids, mask = the_prompt()
     torch.save({"input_ids": ids, "attention_mask": mask}, tmp_path / "prompt.pt")
     command = [sys.executable, "-m", "graphopt.cli", "run", str(path), "--generate", "--allow-import", "--prompt", "prompt.pt"]
@@ -273,7 +276,7 @@ def test_graphopt_run_generates_in_a_fresh_process(saved: dict[str, Any], tmp_pa
     torch.manual_seed(3)
     expected = original_generate(model, ids, mask, max_new_tokens=6, do_sample=True)
     lines = done.stdout.splitlines()
-    assert "graphopt language model; generate() on pytorch (fp32), up to 128 positions" in lines[0]
+    assert "graphopt language model; generate() on openvino (fp32), up to 128 positions" in lines[0]
     assert "prompt [2, 5] -> tokens [2, 11] (sampled from seed 3)" in lines[1]
     assert lines[2:4] == [",".join(map(str, sequence)) for sequence in expected.tolist()]
     assert torch.equal(torch.load(tmp_path / "tokens.pt"), expected)
