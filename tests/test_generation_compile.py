@@ -11,10 +11,11 @@ lengths, seeded sampling, threads and a deep copy), and in a fresh process by te
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 import graphopt
 from graphopt import generation, generation_archive, generation_build
@@ -35,6 +37,18 @@ from tests.conftest import measured_as
 from tests.test_generation import EOS, assert_threads_and_a_deep_copy_generate_the_originals_tokens, original_generate, prompt, tiny
 
 ONEDNN_LINEARS = ("mkldnn._linear_pointwise.default", "graphopt.linear_add.default")
+
+
+@contextlib.contextmanager
+def compiled_code_or_an_error(fast: graphopt.OptimizedModule) -> Iterator[None]:
+    """Each compiled step of ``fast`` called through its compiling function under ``fail_on_recompile``: a call that the
+    compiled code's guards reject raises, where the runner's own call (`torch._dynamo.run`) would quietly run it as ops."""
+    steps = fast.generator.steps
+    with pytest.MonkeyPatch.context() as patch, torch.compiler.set_stance("fail_on_recompile"):
+        for runner in (steps.prefill, steps.decode):
+            if isinstance(runner, InductorStepRunner):
+                patch.setitem(runner.__dict__, "compiled_only", runner.compiled)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +73,22 @@ def test_the_default_compiles_the_decode_graph_after_graphopts_passes_and_says_s
     _, decode = steps.graphs
     linears = sum(node.target is torch.ops.aten.linear.default for node in steps.programs[1].graph.nodes)  # 7 in its layer, the head
     assert decode is steps.decode.graph and sum(str(node.target) in ONEDNN_LINEARS for node in decode.graph.nodes) == linears == 8
+    # graphopt's linear_add (a Python op: compiled code would call back into Python) compiled as oneDNN's linear and an add
+    adds = sum(str(node.target) == ONEDNN_LINEARS[1] for node in decode.graph.nodes)
+    compiled_graph = steps.decode.compiled._orig_mod
+    assert compiled_graph is not decode and adds == 2  # the layer's two residual connections
+    assert [str(node.target) for node in compiled_graph.graph.nodes].count(ONEDNN_LINEARS[0]) == linears
+    assert not any(str(node.target) == ONEDNN_LINEARS[1] for node in compiled_graph.graph.nodes)
     assert report.compiled.startswith("decode graph compiled whole by Inductor (freezing, C++ wrapper): ")
     assert "fuse=False leaves it as ops" in report.compiled and report.compiled in str(fast.graphopt_report)
 
 
-def test_the_compiled_step_compiles_nothing_more_for_other_batches_lengths_or_strides(compiled: Any) -> None:
-    """Built for a batch of one and for the rest (Dynamo specializes size one): nothing compiles again for any batch,
+def test_the_compiled_step_runs_compiled_for_other_batches_lengths_or_strides(compiled: Any) -> None:
+    """Built for a batch of one and for the rest (Dynamo specializes size one): the compiled code runs for any batch,
     prompt or cache length, and a position sliced from a longer mask (strides other than a contiguous tensor's, which
-    Dynamo guards on) is copied, not compiled for."""
+    Dynamo guards on) is copied, not run as ops."""
     model, fast = compiled
-    with torch.compiler.set_stance("fail_on_recompile"):
+    with compiled_code_or_an_error(fast):
         for batch, length, padded in ((1, 3, 0), (1, 9, 0), (2, 5, 1), (3, 7, 2)):
             ids, mask = prompt(batch, length, padded, seed=length)
             assert torch.equal(fast.generate(ids, mask, max_new_tokens=6, pad_token_id=EOS), original_generate(model, ids, mask, max_new_tokens=6))
@@ -77,6 +97,23 @@ def test_the_compiled_step_compiles_nothing_more_for_other_batches_lengths_or_st
     assert position.stride() != (1, 1) and position.is_contiguous()
     (copied,) = InductorStepRunner.inputs((position,))
     assert copied.stride() == (1, 1) and torch.equal(copied, position)
+
+
+def test_a_call_the_compiled_code_does_not_take_runs_as_ops_and_compiles_nothing(compiled: Any) -> None:
+    """A call whose guards fail (here: the capture's arguments, not inference tensors) runs the graph as ops, with the
+    same results, rather than compiling it again in the middle of a generation."""
+    from torch._dynamo.utils import counters
+
+    _, fast = compiled
+    decode = fast.generator.steps.decode
+    args = fast.generator.steps.examples[1]
+    assert not any(tensor.is_inference() for tensor in pytree.tree_leaves(args))
+    expected = pytree.tree_leaves(decode.run(args))  # copied into inference tensors: the compiled code
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        as_ops = pytree.tree_leaves(decode.compiled_only(*args))
+    assert counters["stats"]["unique_graphs"] == before
+    torch.testing.assert_close(as_ops, expected)
 
 
 def test_the_compiled_step_samples_the_originals_tokens_from_a_seed(compiled: Any) -> None:

@@ -54,6 +54,7 @@ from graphopt.backends.engine import EngineInfo, EngineInput, EngineRunner, tens
 from graphopt.dynamic import Dims
 from graphopt.errors import EngineError, error_summary
 from graphopt.ops import layout_of
+from graphopt.runtime.portable import LINEAR_ADD
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -123,10 +124,16 @@ def _as_compiled(tensor: torch.Tensor, memory_format: torch.memory_format) -> to
 def _has_compiled_strides(tensor: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
     """Whether ``tensor`` has exactly the strides a copy in ``memory_format`` has, those of dimensions of size one
     included: Dynamo guards on them, where ``is_contiguous`` ignores them (a batch of one sliced from a larger tensor)."""
-    from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+    if memory_format == torch.contiguous_format:  # torch._prims_common.make_contiguous_strides_for's, without its checks
+        stride = 1  # (they cost more than a generation step's twenty inputs may: this is on every step's path)
+        for size, actual in zip(reversed(tensor.shape), reversed(tensor.stride()), strict=True):
+            if actual != stride:
+                return False
+            stride *= max(size, 1)
+        return True
+    from torch._prims_common import make_channels_last_strides_for
 
-    expected = make_contiguous_strides_for(tensor.shape) if memory_format == torch.contiguous_format else make_channels_last_strides_for(tensor.shape)
-    return tensor.stride() == tuple(expected)
+    return tensor.stride() == tuple(make_channels_last_strides_for(tensor.shape))
 
 
 def _compile(graph_module: fx.GraphModule, example_inputs: tuple[Any, ...], dims: Dims, precision: str) -> InductorRunner:
@@ -182,9 +189,11 @@ class InductorStepRunner(EngineRunner):
     again. Generation runs under ``torch.inference_mode`` and the decode step takes the cache the step before returned:
     the compiled graph takes inference tensors, contiguous (Dynamo guards on both), and each call's inputs are made so
     (free for the cache the compiled step returned; a copy of the prompt and of the prefill's strided cache).
-    Dynamo specializes sizes 0 and 1: a batch of one prompt is compiled once more, here too. Every call runs with the
-    settings of these compiles (`STEP_SETTINGS`, one call at a time: they are the process's), so that any later compile
-    is frozen too: freezing hands the weights to Inductor as constants, which oneDNN's linears in graphopt's graph need.
+    Dynamo specializes sizes 0 and 1: a batch of one prompt is compiled once more, here too. Calls run the code compiled
+    here and compile nothing more (``torch._dynamo.run``): a call no compile's guards admit (none is expected) runs the
+    graph as ops, rather than compiling for seconds in the middle of a generation, and without the settings of these
+    compiles (`STEP_SETTINGS`, freezing), which are the process's and would be set around every call (a step's
+    arguments, settings and guards checked in Python cost 0.45 ms of the small Llama's 11 ms step).
     """
 
     engine = "inductor"
@@ -194,7 +203,7 @@ class InductorStepRunner(EngineRunner):
         self.outputs = outputs
         # held, not registered: the runner's module tree stays out of the compiled graph's guards
         object.__setattr__(self, "graph", graph)
-        object.__setattr__(self, "compiled", torch.compile(graph if graph is not None else program.module(), fullgraph=True))
+        object.__setattr__(self, "compiled", torch.compile(_with_linear_adds_split(graph) if graph is not None else program.module(), fullgraph=True))
         args, _ = program.example_inputs
         with torch.inference_mode():  # copies: the marks stay off the program's example
             leaves, spec = pytree.tree_flatten(pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.clone(memory_format=torch.contiguous_format), args))
@@ -208,6 +217,7 @@ class InductorStepRunner(EngineRunner):
                     torch._dynamo.mark_dynamic(leaf, dynamic)
             with _SETTINGS_LOCK, _compiling("the generation step", **STEP_SETTINGS), _step_shapes(), torch.inference_mode():
                 self.compiled(*pytree.tree_unflatten(example, spec))  # compiled now: the first call is as fast as the next
+        object.__setattr__(self, "compiled_only", torch._dynamo.run(self.compiled))  # the code compiled above, nothing more
 
     @staticmethod
     def inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -220,11 +230,30 @@ class InductorStepRunner(EngineRunner):
             )
 
     def run(self, args: tuple[Any, ...]) -> Any:
-        from torch._inductor import config
-
         inputs = self.inputs(args)
-        with _SETTINGS_LOCK, config.patch(freezing=True, **STEP_SETTINGS), _step_shapes(), torch.inference_mode():
-            return pytree.tree_unflatten(pytree.tree_leaves(self.compiled(*inputs)), self.outputs)
+        with torch.inference_mode():
+            return pytree.tree_unflatten(pytree.tree_leaves(self.compiled_only(*inputs)), self.outputs)
+
+
+def _with_linear_adds_split(graph: fx.GraphModule) -> fx.GraphModule:
+    """``graph`` (sharing its weights) with each ``graphopt.linear_add`` (`graphopt.runtime.onednn`: a Python custom op,
+    which compiled code calls back through Python at about 40 us a call, a millisecond of GPT-2's step) as the oneDNN
+    linear and the add it computes, which Inductor calls from C++ and fuses into its next kernel.
+
+    The add takes the linear's result second: Inductor's freezing matches ``add(linear, bias)`` and asserts that the
+    linear's weight is one it packed itself (here it is graphopt's), and oneDNN's fused ``linear + add`` has no fake
+    kernel for Dynamo to trace (torch 2.13). Addition commutes: the values are the same."""
+    split, nodes = fx.Graph(), {}
+    split.set_codegen(graph.graph._codegen)  # torch.export's: the step's arguments as a tree (the cache's lists)
+    for node in graph.graph.nodes:
+        nodes[node] = split.node_copy(node, lambda old: nodes[old])
+    for node in split.find_nodes(op="call_function", target=LINEAR_ADD):
+        x, other, weight, bias = node.args
+        with split.inserting_before(node):
+            linear = split.call_function(torch.ops.mkldnn._linear_pointwise.default, (x, weight, bias, "none", [], ""))
+            node.replace_all_uses_with(split.call_function(torch.ops.aten.add.Tensor, (other, linear)))
+        split.erase_node(node)
+    return fx.GraphModule(graph, split)
 
 
 def _step_shapes() -> contextlib.AbstractContextManager[None]:
@@ -234,7 +263,7 @@ def _step_shapes() -> contextlib.AbstractContextManager[None]:
     return shapes.patch(use_duck_shape=False)
 
 
-_SETTINGS_LOCK = threading.Lock()  # InductorStepRunner.run sets process-wide settings for its call: one call at a time
+_SETTINGS_LOCK = threading.Lock()  # InductorStepRunner's compiles set process-wide settings: one at a time
 
 
 # Inductor's settings for a generation step, beside freezing: the C++ wrapper calls the step's kernels without Python
