@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 import graphopt
 from graphopt import generation, generation_archive, generation_build
 from graphopt.backends import ENGINES
+from graphopt.backends import inductor_engine
 from graphopt.backends.inductor_engine import InductorStepRunner
 from graphopt.errors import CompileWarning, EngineError, InvalidOptionError, VerificationWarning
 from graphopt.passes import PassInfo
@@ -97,6 +98,25 @@ def test_the_compiled_step_runs_compiled_for_other_batches_lengths_or_strides(co
     assert position.stride() != (1, 1) and position.is_contiguous()
     (copied,) = InductorStepRunner.inputs((position,))
     assert copied.stride() == (1, 1) and torch.equal(copied, position)
+
+
+def test_the_decode_graph_keeps_the_kernels_the_passes_chose_and_the_engines_steps_get_inductors(compiled: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """graphopt's decode graph is compiled without Inductor's own packing of ATen's linears (the passes measured ATen's
+    and oneDNN's kernels); engine='inductor' compiles the captured program with Inductor's settings."""
+    settings: list[dict[str, Any]] = []
+
+    @contextlib.contextmanager
+    def recorded(what: str, **given: Any) -> Iterator[None]:
+        settings.append(given)
+        yield
+
+    monkeypatch.setattr(inductor_engine, "_compiling", recorded)
+    monkeypatch.setattr(torch, "compile", lambda module, fullgraph: module)  # run as ops: the settings are the subject
+    steps = compiled[1].generator.steps
+    InductorStepRunner(steps.programs[1], steps.outputs, steps.graphs[1])
+    InductorStepRunner(steps.programs[1], steps.outputs)
+    assert settings == [inductor_engine.PASSES_STEP_SETTINGS] * 2 + [inductor_engine.STEP_SETTINGS] * 2  # a batch of one, the rest
+    assert inductor_engine.PASSES_STEP_SETTINGS == {**inductor_engine.STEP_SETTINGS, "cpp.weight_prepack": False}
 
 
 def test_a_call_the_compiled_code_does_not_take_runs_as_ops_and_compiles_nothing(compiled: Any) -> None:

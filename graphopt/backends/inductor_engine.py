@@ -192,8 +192,9 @@ class InductorStepRunner(EngineRunner):
     Dynamo specializes sizes 0 and 1: a batch of one prompt is compiled once more, here too. Calls run the code compiled
     here and compile nothing more (``torch._dynamo.run``): a call no compile's guards admit (none is expected) runs the
     graph as ops, rather than compiling for seconds in the middle of a generation, and without the settings of these
-    compiles (`STEP_SETTINGS`, freezing), which are the process's and would be set around every call (a step's
-    arguments, settings and guards checked in Python cost 0.45 ms of the small Llama's 11 ms step).
+    compiles (freezing, `STEP_SETTINGS`; for ``graph``, `PASSES_STEP_SETTINGS`, which keep the kernels graphopt's passes
+    chose), which are the process's and would be set around every call (a step's arguments, settings and guards checked
+    in Python cost 0.45 ms of the small Llama's 11 ms step).
     """
 
     engine = "inductor"
@@ -204,6 +205,7 @@ class InductorStepRunner(EngineRunner):
         # held, not registered: the runner's module tree stays out of the compiled graph's guards
         object.__setattr__(self, "graph", graph)
         object.__setattr__(self, "compiled", torch.compile(_with_linear_adds_split(graph) if graph is not None else program.module(), fullgraph=True))
+        settings = STEP_SETTINGS if graph is None else PASSES_STEP_SETTINGS
         args, _ = program.example_inputs
         with torch.inference_mode():  # copies: the marks stay off the program's example
             leaves, spec = pytree.tree_flatten(pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.clone(memory_format=torch.contiguous_format), args))
@@ -215,7 +217,7 @@ class InductorStepRunner(EngineRunner):
             for leaf, dynamic in zip(example, dims, strict=True):
                 if dynamic:
                     torch._dynamo.mark_dynamic(leaf, dynamic)
-            with _SETTINGS_LOCK, _compiling("the generation step", **STEP_SETTINGS), _step_shapes(), torch.inference_mode():
+            with _SETTINGS_LOCK, _compiling("the generation step", **settings), _step_shapes(), torch.inference_mode():
                 self.compiled(*pytree.tree_unflatten(example, spec))  # compiled now: the first call is as fast as the next
         object.__setattr__(self, "compiled_only", torch._dynamo.run(self.compiled))  # the code compiled above, nothing more
 
@@ -269,6 +271,10 @@ _SETTINGS_LOCK = threading.Lock()  # InductorStepRunner's compiles set process-w
 # Inductor's settings for a generation step, beside freezing: the C++ wrapper calls the step's kernels without Python
 # (the small Llama's decode step 9.9 against 11.1 ms with Python's wrapper; AMD EPYC Zen 2, 2 threads)
 STEP_SETTINGS = {"cpp_wrapper": True}
+# and for the PyTorch engine's decode graph, which holds the kernels graphopt's passes measured for each linear (oneDNN's,
+# or ATen's where not clearly slower): Inductor keeps them, rather than packing ATen's linears for its own GEMM (slower
+# at a token's rows: the small Llama's step 12.9 against 11.8 ms with ATen's linears, 12.0 with oneDNN's; AMD EPYC Zen 2)
+PASSES_STEP_SETTINGS = {**STEP_SETTINGS, "cpp.weight_prepack": False}
 
 
 def program_runner(program: torch.export.ExportedProgram, precision: str, outputs: pytree.TreeSpec) -> InductorStepRunner:
