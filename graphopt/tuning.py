@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
-from graphopt import progress
+from graphopt import archive_metadata, progress
 from graphopt.backends import EngineInfo
 from graphopt.errors import GraphoptError, error_summary
 from graphopt.pipeline import cpu_kernel_passes
@@ -193,11 +193,12 @@ def _engine_candidates(
 
 
 def cache_key(model: nn.Module, args: tuple[Any, ...], settings: Mapping[str, Any]) -> str:
-    """What the tuned choice depends on: the model's structure and weights' shapes, the inputs, the device, the options."""
+    """What the tuned choice depends on: the model's structure and weights' shapes, the inputs, the device, the options,
+    torch's and graphopt's versions."""
     structure = [(name, type(module).__qualname__) for name, module in model.named_modules()]
     tensors = [(name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)]
     inputs = [(tuple(a.shape), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a) for a in args]
-    text = json.dumps([type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__])
+    text = json.dumps([type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__, archive_metadata.GRAPHOPT_VERSION])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -29,8 +29,7 @@ from torch.utils import _pytree as pytree
 
 import graphopt
 from graphopt import generation, generation_archive, generation_build
-from graphopt.backends import ENGINES
-from graphopt.backends import inductor_engine
+from graphopt.backends import ENGINES, inductor_engine
 from graphopt.backends.inductor_engine import InductorStepRunner
 from graphopt.errors import CompileWarning, EngineError, InvalidOptionError, VerificationWarning
 from graphopt.passes import PassInfo
@@ -147,7 +146,7 @@ def test_the_compiled_step_samples_the_originals_tokens_from_a_seed(compiled: An
 
 
 def test_threads_and_a_deep_copy_share_the_compiled_step(compiled: Any) -> None:
-    """The compiled step runs one call at a time (its settings are the process's): threads wait their turn."""
+    """Threads call the compiled code at once (nothing is set around a call), and a deep copy calls the same code."""
     assert_threads_and_a_deep_copy_generate_the_originals_tokens(*compiled, smallest_batch=1)
 
 

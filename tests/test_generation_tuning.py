@@ -82,7 +82,7 @@ def test_remeasure_tunes_again_and_without_a_key_nothing_is_remembered(monkeypat
     assert tuning._memory_cache == {}
 
 
-def test_the_key_holds_the_engines_versions_and_the_cpu_and_remeasure_drops_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_key_holds_the_engines_and_graphopts_versions_and_the_cpu_and_remeasure_drops_it(monkeypatch: pytest.MonkeyPatch) -> None:
     keys: list[tuple[str | None, bool]] = []
 
     class Stop(Exception):
@@ -110,4 +110,9 @@ def test_the_key_holds_the_engines_versions_and_the_cpu_and_remeasure_drops_it(m
     assert key_of() == first
     assert key_of(remeasure=True) == (first[0], True)  # tune again, and remember the new choice under the same key
     monkeypatch.setattr(graphopt.timing, "cpu_signature", lambda: ["another CPU"])
+    assert key_of() != first
+    monkeypatch.undo()
+    monkeypatch.setattr(tuning, "tune_generation", record)
+    assert key_of() == first
+    monkeypatch.setattr(graphopt.archive_metadata, "GRAPHOPT_VERSION", "another graphopt")  # an earlier graphopt's choice is not reused
     assert key_of() != first

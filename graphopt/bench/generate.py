@@ -174,11 +174,12 @@ def _optimum_intel(precision: str) -> Callable[[Setup], Generate]:
 
 
 def _graphopt(**options: Any) -> Callable[[Setup], Generate]:
-    """``graphopt.optimize(model, prompt, **options).generate``; the row notes the engine and precision it runs on
-    (and what ``tune`` measured)."""
+    """``graphopt.optimize(model, prompt, remeasure=True, **options).generate``; the row notes the engine and precision
+    it runs on (and what ``tune`` measured). Measured afresh: a decision remembered from an earlier run (tune's choice,
+    a pass's timing) may be an earlier graphopt's, which this run would not measure."""
 
     def build(setup: Setup) -> Generate:
-        optimized = graphopt.optimize(setup.model, setup.prompt, progress=False, **options)
+        optimized = graphopt.optimize(setup.model, setup.prompt, progress=False, remeasure=True, **options)
         report = optimized.graphopt_report
         assert report.generation is not None  # a causal language model with its cache gets generate()
         setup.notes.append(f"generate() on {report.generation.engine} ({report.generation.precision})")
