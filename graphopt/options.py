@@ -73,6 +73,12 @@ class Options:
     generation: bool = False  # a causal language model with its key/value cache: generate() is built too (graphopt.generation)
     compile_decode: bool = True  # fuse=False turns it off: generate()'s decode graph may be compiled (graphopt.generation_build.compile_decode)
 
+    @property
+    def fuse_given(self) -> str | bool | None:
+        """``fuse`` as the caller gave it: False (nothing compiled, generate()'s decode graph included) where
+        ``self.fuse``, which the calls' stages read, holds None."""
+        return self.fuse if self.compile_decode else False
+
     def shared_by_candidates(self) -> dict[str, Any]:
         """The options every tune candidate is built with, as the caller gave them."""
         return dict(
@@ -84,7 +90,7 @@ class Options:
     def fixed_by_caller(self) -> dict[str, Any]:
         """The options tune would choose but the caller set explicitly: kept, not tuned."""
         given = (
-            ("memory_format", self.memory_format, "auto"), ("precision", self.precision, "fp32"), ("fuse", self.fuse if self.compile_decode else False, None),
+            ("memory_format", self.memory_format, "auto"), ("precision", self.precision, "fp32"), ("fuse", self.fuse_given, None),
             ("passes", self.passes, None), ("engine", self.engine, DEFAULT_ENGINE),
         )  # fmt: skip
         return {name: value for name, value, default in given if value != default}
