@@ -369,3 +369,35 @@ def test_sampling_that_differs_from_the_originals_with_the_same_seed_is_refused(
         with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs"):
             graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse=False)  # the decode graph not compiled: sooner
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left as it was
+
+
+@pytest.mark.skipif(graphopt.generation._openmp() is None, reason="torch's OpenMP runtime is reachable on Linux only; elsewhere the block changes nothing")
+def test_the_logits_processors_run_on_the_generating_thread_alone_other_threads_keeping_their_count(
+    optimized_once: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between steps torch's OpenMP threads would spin on the cores an engine's own threads run the next step on
+    (`graphopt.generation.on_this_thread_alone`): the processors and the token's choice run on one thread, and neither
+    the thread count of another thread nor that of a thread starting torch meanwhile changes."""
+    model, fast = optimized_once("gpt2", "openvino")
+    real, counts = graphopt.generation._processors, []
+
+    def counted(config: Any, prompt_length: int, eos: list[int]) -> Any:
+        processors = real(config, prompt_length, eos)
+        return lambda ids, scores: counts.append(torch.get_num_threads()) or processors(ids, scores)
+
+    monkeypatch.setattr(graphopt.generation, "_processors", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids, mask = prompt(2, 6, padded=2)
+        assert torch.equal(fast.generate(ids, mask, max_new_tokens=4, min_new_tokens=2), original_generate(model, ids, mask, max_new_tokens=4, min_new_tokens=2))
+        assert counts == [1, 1, 1, 1] and torch.get_num_threads() == 2
+        with concurrent.futures.ThreadPoolExecutor(1) as started, concurrent.futures.ThreadPoolExecutor(1) as fresh:
+            started.submit(torch.get_num_threads).result()  # torch set up on that thread
+            with graphopt.generation.on_this_thread_alone():
+                assert torch.get_num_threads() == 1
+                assert started.submit(torch.get_num_threads).result() == 2
+                assert fresh.submit(torch.get_num_threads).result() == 2  # its first torch call
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
