@@ -4,7 +4,8 @@ torch says some things from deep inside its own code while graphopt calls it: to
 pytree specs of a torch.export graph, which builds torch's own deprecated ``LeafSpec`` (a ``FutureWarning``
 on every capture and save), and the ONNX exporter logs that torchvision is missing each time it builds its
 op registry; onnxruntime's quantizer advises its pre-processing (graph optimization, BatchNorm folding:
-graphopt's passes have run) on every call. None names anything the user wrote or can change. `foreign_notices_silenced` drops exactly
+graphopt's passes have run) on every call; torch.export logs that it fixed a batch of 1 (graphopt's report
+says so, with what to do). None names anything the user wrote or can change. `foreign_notices_silenced` drops exactly
 these notices, and only while graphopt's own public calls run (`graphopt.capture.one_at_a_time`): nothing
 is filtered on import or process-wide, and every other warning or log record, graphopt's own included,
 still reaches the user.
@@ -28,6 +29,8 @@ FOREIGN_LOG_MESSAGES: dict[str, str] = {
     "torch.onnx._internal.exporter._registration": "torchvision is not installed",
     # onnxruntime's quantizer (the onnxruntime engine's int8), through the root logger, on every file it quantizes
     "root": "Please consider (to run )?pre-processing before quantization",
+    # torch.export, on every capture of an example with a batch of 1: graphopt's report says so itself, with what to do
+    "torch._export.non_strict_utils": r"dimension \S+ 0/1 specialized; Dim\.AUTO was specified along with a sample input with hint = 1",
 }
 
 # What the first import of torchao logs (transformers imports it while building a model, when it is installed):
