@@ -95,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "convs and linears on oneDNN's int8 kernels, each layer over --accuracy kept in float32",
     )
     run.add_argument("--calibration", metavar="SOURCE", help=f"with --precision int8 (or --tune): the batches each layer's input range is measured on: {CALIBRATION_SOURCES}")
-    run.add_argument("--fuse", choices=FUSE_BACKENDS, default=None, help="compile pointwise regions (inductor, torchscript) or the whole graph")
+    run.add_argument(
+        "--fuse",
+        choices=(*FUSE_BACKENDS, "off"),
+        default=None,
+        help="compile pointwise regions (inductor, torchscript) or the whole graph; off: compile nothing (fuse=False: a language model's decode step is left as ops too)",
+    )
     run.add_argument(
         "--engine",
         choices=tuple(ENGINES),

@@ -36,7 +36,7 @@ def optimize_command(args: argparse.Namespace) -> int:
         keep_channels_last_outputs=args.keep_channels_last_outputs,
         precision=args.precision,
         calibration=calibration,
-        fuse=args.fuse,
+        fuse=False if args.fuse == "off" else args.fuse,
         engine=args.engine,
         tune=args.tune,
         accuracy=args.accuracy,

@@ -141,6 +141,17 @@ def test_optimize_fuses_pointwise_regions(capsys: pytest.CaptureFixture[str]) ->
     assert "fusion (torchscript): 4/4 regions compiled" in out
 
 
+def test_fuse_off_is_fuse_false_and_left_out_none(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--fuse off``: nothing compiled, a language model's decode step included (``fuse=False``); left out, ``None``."""
+    given = []
+    real = cli_optimize.optimize
+    monkeypatch.setattr(cli_optimize, "optimize", lambda *args, **options: given.append(options["fuse"]) or real(*args, **options))
+    for fuse in (["--fuse", "off"], []):
+        code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, *fuse)
+        assert code == 0, err
+    assert given == [False, None]
+
+
 def test_optimize_runs_exactly_the_passes_given(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "optimize", RESNET, "--input", SMALL_INPUT, "--passes", "fold_conv_bn")
     assert code == 0, err
