@@ -70,9 +70,12 @@ def test_identical_regions_share_one_artifact(inductor_model: graphopt.Optimized
 
 
 def test_other_batch_sizes_do_not_recompile(inductor_model: graphopt.OptimizedModule) -> None:
+    from torch._dynamo.utils import guard_failures
+
     for batch in (4, 9, 2, 5):
         inductor_model(*inputs(batch))
-    assert [region.compilations for region in fused_regions(inductor_model).values()] == [1, 1]
+    # the guards that failed say why Dynamo compiled again (a clean-clone make test once counted 3 per region here)
+    assert [region.compilations for region in fused_regions(inductor_model).values()] == [1, 1], dict(guard_failures)
 
 
 def test_state_dict_and_report(inductor_model: graphopt.OptimizedModule) -> None:
