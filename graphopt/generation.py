@@ -357,7 +357,7 @@ def _openmp() -> Any:
     """The OpenMP runtime torch loaded into the process's global symbols (libgomp, on Linux), or None where there is none."""
     try:
         runtime = ctypes.CDLL(None)
-        return runtime if hasattr(runtime, "omp_set_num_threads") and hasattr(runtime, "omp_get_max_threads") else None
+        return runtime if hasattr(runtime, "omp_set_num_threads") else None
     except (OSError, TypeError):  # no process-wide symbols to look in (Windows)
         return None
 
@@ -379,7 +379,7 @@ def on_this_thread_alone() -> Iterator[None]:
     if openmp is None:
         yield
         return
-    threads = openmp.omp_get_max_threads()
+    threads = torch.get_num_threads()  # torch's count for this thread (set up by its first call: not OpenMP's default)
     openmp.omp_set_num_threads(1)
     try:
         yield

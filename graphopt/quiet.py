@@ -5,7 +5,7 @@ pytree specs of a torch.export graph, which builds torch's own deprecated ``Leaf
 on every capture and save), and the ONNX exporter logs that torchvision is missing each time it builds its
 op registry; onnxruntime's quantizer advises its pre-processing (graph optimization, BatchNorm folding:
 graphopt's passes have run) on every call; torch.export logs that it fixed a batch of 1 (graphopt's report
-says so, with what to do). None names anything the user wrote or can change. `foreign_notices_silenced` drops exactly
+says so, with what to do). None names anything the user wrote, or says more than graphopt itself does. `foreign_notices_silenced` drops exactly
 these notices, and only while graphopt's own public calls run (`graphopt.capture.one_at_a_time`): nothing
 is filtered on import or process-wide, and every other warning or log record, graphopt's own included,
 still reaches the user.

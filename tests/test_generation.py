@@ -377,7 +377,8 @@ def test_the_logits_processors_run_on_the_generating_thread_alone_other_threads_
 ) -> None:
     """Between steps torch's OpenMP threads would spin on the cores an engine's own threads run the next step on
     (`graphopt.generation.on_this_thread_alone`): the processors and the token's choice run on one thread, and neither
-    the thread count of another thread nor that of a thread starting torch meanwhile changes."""
+    the thread count of another thread nor that of a thread starting torch meanwhile changes; a thread whose first torch
+    call is in the block keeps torch's count after it (not OpenMP's default, one per core)."""
     model, fast = optimized_once("gpt2", "openvino")
     real, counts = graphopt.generation._processors, []
 
@@ -399,5 +400,14 @@ def test_the_logits_processors_run_on_the_generating_thread_alone_other_threads_
                 assert started.submit(torch.get_num_threads).result() == 2
                 assert fresh.submit(torch.get_num_threads).result() == 2  # its first torch call
             assert torch.get_num_threads() == 2
+        torch.set_num_threads(cores := (os.cpu_count() or 1) + 1)  # other than OpenMP's default
+
+        def first_call_in_the_block() -> tuple[int, int]:
+            with graphopt.generation.on_this_thread_alone():
+                inside = torch.get_num_threads()
+            return inside, torch.get_num_threads()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as fresh:
+            assert fresh.submit(first_call_in_the_block).result() == (1, cores)
     finally:
         torch.set_num_threads(threads)
