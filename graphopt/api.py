@@ -209,7 +209,7 @@ def _with_generation(model: nn.Module, example_inputs: Any, options: Options, sh
 
 def _step_passes(options: Options) -> generation_build.StepPasses:
     """The passes the generation graphs go through on the PyTorch engine: those ``optimize`` selected for inference."""
-    return generation_build.StepPasses(options.pass_infos, options.remeasure, options.fuse_given)
+    return generation_build.StepPasses(options.pass_infos, options.remeasure, options.fuse)
 
 
 def _calls_without_cache(model: nn.Module, example_inputs: Any, options: Options, shared: SharedByEngines | None) -> OptimizedModule:

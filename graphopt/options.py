@@ -50,7 +50,7 @@ class Options:
     low_precision_ops: Iterable[str] | None
     fp32_ops: Iterable[str] | None
     calibration: Iterable[Any] | None
-    fuse: str | None
+    fuse: str | bool | None  # as given: False compiles nothing, generate()'s decode graph included (`calls_fuse`: the calls')
     engine: str
     device: str | torch.device | None
     tune: bool
@@ -71,13 +71,11 @@ class Options:
     strict: bool  # verify="strict"
     tune_accuracy: float | None  # tune=True: the largest error a candidate may have
     generation: bool = False  # a causal language model with its key/value cache: generate() is built too (graphopt.generation)
-    compile_decode: bool = True  # fuse=False turns it off: generate()'s decode graph may be compiled (graphopt.generation_build.compile_decode)
 
     @property
-    def fuse_given(self) -> str | bool | None:
-        """``fuse`` as the caller gave it: False (nothing compiled, generate()'s decode graph included) where
-        ``self.fuse``, which the calls' stages read, holds None."""
-        return self.fuse if self.compile_decode else False
+    def calls_fuse(self) -> str | None:
+        """What the calls' graph compiles (None: nothing); ``fuse=False`` is None for them too."""
+        return None if self.fuse is False else self.fuse  # type: ignore[return-value]  # True was refused
 
     def shared_by_candidates(self) -> dict[str, Any]:
         """The options every tune candidate is built with, as the caller gave them."""
@@ -90,7 +88,7 @@ class Options:
     def fixed_by_caller(self) -> dict[str, Any]:
         """The options tune would choose but the caller set explicitly: kept, not tuned."""
         given = (
-            ("memory_format", self.memory_format, "auto"), ("precision", self.precision, "fp32"), ("fuse", self.fuse_given, None),
+            ("memory_format", self.memory_format, "auto"), ("precision", self.precision, "fp32"), ("fuse", self.fuse, None),
             ("passes", self.passes, None), ("engine", self.engine, DEFAULT_ENGINE),
         )  # fmt: skip
         return {name: value for name, value, default in given if value != default}
@@ -126,8 +124,7 @@ def check_options(
     forward()'s positional arguments, and the checked options; a bad option raises `InvalidOptionError`, a model that
     cannot be optimized `InvalidModelError`. Runs nothing costly (no forward(), no copy, no capture)."""
     check_model(model)
-    compile_decode = fuse is not False
-    fuse = None if fuse is False else fuse  # False: nothing compiled, generate()'s decode graph included; else as None for the calls
+    calls_fuse = None if fuse is False else fuse  # False: nothing compiled, generate()'s decode graph included; for the calls as None
     if mode is None and isinstance(model, OptimizedModule):
         mode = model.graphopt_report.mode  # its graph module's training flag may not say (torch.export's does not)
     model = _unwrap(model, mode)
@@ -145,13 +142,13 @@ def check_options(
         )
     resolved_mode = _resolve_mode(mode, model)
     info = engine_info(engine)
-    _check_engine(info, resolved_mode, precision, memory_format, fuse, passes)
+    _check_engine(info, resolved_mode, precision, memory_format, calls_fuse, passes)
     int8 = precision == INT8
     int8_accuracy = None
     if int8:
         if tune:
             raise InvalidOptionError("tune=True chooses the precision itself: leave precision out, and calibration= makes int8 one of its candidates")
-        int8_accuracy = check_int8(model, resolved_mode, memory_format, fuse, accuracy, device)
+        int8_accuracy = check_int8(model, resolved_mode, memory_format, calls_fuse, accuracy, device)
     elif calibration is not None and not tune:
         raise InvalidOptionError("calibration= is for precision='int8' (or tune=True, which then tries int8): pass one of them, or leave calibration out")
     if accuracy is not None and not (tune or int8):  # it would be silently ignored
@@ -168,7 +165,7 @@ def check_options(
     low_dtype = None if int8 else check_precision(precision, model)
     graph_dtype = low_dtype if info.own_passes else None  # another engine computes in the low precision itself
     low_ops, kept_ops = precision_policy(low_precision_ops, fp32_ops)
-    if fuse is not None and fuse not in FUSE_BACKENDS:
+    if calls_fuse is not None and calls_fuse not in FUSE_BACKENDS:
         raise InvalidOptionError(f"unknown fuse {fuse!r}: use None, False or one of {', '.join(map(repr, FUSE_BACKENDS))}")
     if memory_format not in MEMORY_FORMATS:
         raise InvalidOptionError(f"unknown memory_format {memory_format!r}: use one of {', '.join(map(repr, MEMORY_FORMATS))}")
@@ -180,7 +177,7 @@ def check_options(
         disable,
         preserve_layout=memory_format == "preserve" or not info.own_passes,
         low_precision=graph_dtype is not None,
-        fuse=fuse,
+        fuse=calls_fuse,
         measure=measure,
         int8=int8 and info.own_passes,  # another engine quantizes itself
         portable=not info.own_passes,
@@ -197,7 +194,6 @@ def check_options(
         tune=tune, accuracy=accuracy, tune_budget_s=tune_budget_s, remeasure=remeasure, mode=resolved_mode, info=info, int8=int8,
         int8_accuracy=int8_accuracy, low_dtype=low_dtype, graph_dtype=graph_dtype, low_ops=low_ops, kept_ops=kept_ops,
         measure=measure, pass_infos=pass_infos, strict=strict, tune_accuracy=tune_accuracy, generation=generation,
-        compile_decode=compile_decode,
     )  # fmt: skip
     return model, example_inputs, options
 

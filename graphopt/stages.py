@@ -215,14 +215,14 @@ def build_runtime(workspace: Workspace, capture: Capture, rewritten: Rewritten, 
     other than PyTorch), verified like a pass on the example and the second input."""
     gm, args = rewritten.graph_module, workspace.args
     runtime = Runtime(notes=list(filter(None, [enable_cudnn_benchmark(gm, workspace.target)])))
-    if options.fuse is not None:
+    if options.calls_fuse is not None:
         # compiled code is specific to the autograd mode: compile for the one forward will run in
         inference = options.mode == "inference" and not updates_state(gm)
         run_context = torch.inference_mode if inference else torch.enable_grad if options.mode == "training" else torch.no_grad
-        if options.fuse == "graph":
+        if options.calls_fuse == "graph":
             runtime.runner, runtime.fusion = compile_graph(gm, args, context=run_context, dynamic=capture.free)
         else:
-            runtime.fusion = compile_regions(gm, options.fuse, args, context=run_context, dynamic_batch=any(0 in dims for dims in capture.free))
+            runtime.fusion = compile_regions(gm, options.calls_fuse, args, context=run_context, dynamic_batch=any(0 in dims for dims in capture.free))
     if options.info.own_passes:
         return runtime
     info = options.info
