@@ -154,7 +154,8 @@ def optimize(
             (default: the fp32 tolerance, 1e-4, so only exact candidates; 3e-2 admits bf16).
             With ``precision="int8"``, the output error budget (default 5e-2), measured on the
             example inputs and verified on them and on a second input.
-        tune_budget_s: with ``tune``, about how many seconds tuning may take.
+        tune_budget_s: with ``tune``, about how many seconds tuning may take beyond each precision class's first
+            candidate on each engine, which is always built (see ``graphopt.tuning.candidates``).
         remeasure: time the measured passes again instead of reusing a clear decision this
             machine took before for the same graph and inputs (also ``GRAPHOPT_REMEASURE=1``;
             see ``graphopt.timing``).

@@ -24,9 +24,10 @@ inputs, on the target device:
    cached). The captured graph with no passes is always a candidate, so the result is
    never slower than eager beyond measurement noise.
 
-``tune_budget_s`` bounds the work: candidates are built likeliest winner first, building
-stops when half the budget is spent, and graphopt's own compiling candidates (``fuse=``) are
-built only when the budget allows them; what was left out is listed with the reason. Results are
+``tune_budget_s`` bounds the work beyond each precision class's first candidate on each engine
+(always built, the float classes before int8: `candidates`): the others are built likeliest winner
+first until half the budget is spent, and graphopt's own compiling candidates (``fuse=``) only when
+the budget allows them; what was left out is listed with the reason. Results are
 cached per (model structure, input shapes and dtypes, device, options, candidates and
 their pass lists) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
 ``~/.cache/graphopt``), so a second call builds the winner without measuring. The key leaves
@@ -42,7 +43,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -73,7 +74,9 @@ _memory_cache: dict[str, dict[str, Any]] = {}
 class Candidate:
     name: str
     options: dict[str, Any] = field(default_factory=dict)  # graphopt.optimize options
-    required: bool = False  # built whatever the budget: the reference, and the default call tune must not lose to
+    # built whatever the budget: the reference, the default call tune must not lose to, each precision class's first
+    # candidate on each engine
+    required: bool = False
 
 
 def candidates(
@@ -89,26 +92,27 @@ def candidates(
 ) -> tuple[list[Candidate], list[TuneCandidate]]:
     """The candidates to build, and the ones left out with the reason.
 
-    The graph with no passes comes first (the report's reference), then the likeliest
-    winners: the lowest precision ``accuracy`` admits before fp32, channels_last before
-    preserve, oneDNN kernels before the same without them. Building stops when half the
-    budget is spent, so on large models the cut drops the least promising candidates.
+    Two tiers. First, built whatever the budget: the graph with no passes (the report's
+    reference), then every precision class ``accuracy`` admits on every engine, each by its
+    likeliest winner, the float classes (lowest precision first) before int8, whose builds
+    calibrate and cost the most: each engine other than PyTorch in each float precision it
+    computes in, the default call itself (``optimize(model, inputs)``, whenever no option is
+    fixed: the result is never slower than it beyond measurement noise), PyTorch's first
+    candidate in each other precision, then each engine's int8 and PyTorch's int8. So a budget
+    spent on int8 never leaves a float class unbuilt (nor the reverse). Then the rest, likeliest
+    winner first (channels_last before preserve, oneDNN kernels before the same without them),
+    until half the budget is spent: on large models the cut drops the least promising ones.
     ``onednn``: the model runs inference on a CPU with oneDNN, so each precision also gets
     a candidate with the CPU-kernel passes (`graphopt.pipeline.cpu_kernel_passes`: oneDNN's fused,
     prepacked conv/linear kernels). ``emulated``: low precisions this device only emulates,
     with the reason; they are left out (building and timing them would spend the budget on
     a sure loser). ``int8``: calibration batches were given, so int8 (channels_last, the
-    layers over ``accuracy`` kept in float32) is a candidate, built after the engines' int8 and
-    before the rest, unless explicit options rule it out. ``engines``: the engines other than
-    PyTorch that may serve the model (inference on the CPU): each in each precision it computes in
-    and ``accuracy`` admits (int8 too, with calibration batches), built right after the reference
-    (the likeliest winners where a strong runtime exists), every engine's lowest precision first,
-    all from one capture and one run of the portable passes (``build`` passes one
-    `graphopt.stages.SharedByEngines` to them all, the engines their conversions); one not installed is listed with the extra to
-    install.
-    The default call itself (``optimize(model, inputs)``) is a candidate whenever no option is
-    fixed, built whatever the budget as the reference is, so that the result is never slower
-    than it beyond measurement noise.
+    layers over ``accuracy`` kept in float32) is a candidate, unless explicit options rule it
+    out. ``engines``: the engines other than PyTorch that may serve the model (inference on the
+    CPU), in each precision they compute in that ``accuracy`` admits (int8 too, with calibration
+    batches), all from one capture and one run of the portable passes (``build`` passes one
+    `graphopt.stages.SharedByEngines` to them all, the engines their conversions); one not
+    installed is listed with the extra to install.
     """
     has_conv = any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
     layouts = ["preserve", "channels_last"] if has_conv else ["preserve"]
@@ -126,28 +130,34 @@ def candidates(
             left_out.append(TuneCandidate(low, {"precision": low}, status="not built", reason=f"{low} errors reach {LOW_PRECISION_BOUNDS[low]:.0e} of the output scale, over accuracy={accuracy:.0e}"))
     if "precision" in fixed:
         precisions = [fixed["precision"]]
-    built = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"}, required=True)] if "passes" not in fixed else []
-    engine_candidates, engines_left_out = _engine_candidates(fixed, precisions, engines, accuracy if int8 and "precision" not in fixed else None)
+    engine_floats, engine_int8s, engines_left_out = _engine_candidates(fixed, precisions, engines, accuracy if int8 and "precision" not in fixed else None)
     left_out += engines_left_out
-    if "engine" in fixed:  # only that engine is tuned, in its precisions
-        return engine_candidates, left_out
-    built += engine_candidates
+    if "engine" in fixed:  # only that engine is tuned: each of its precisions is a class of its own
+        return [replace(candidate, required=True) for candidate in engine_floats + engine_int8s], left_out
+    first = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"}, required=True)] if "passes" not in fixed else []
+    first += engine_floats
     if not fixed:
-        built.append(Candidate("default call", {}, required=True))
-    for precision in reversed(precisions):
+        first.append(Candidate("default call", {}, required=True))
+    rest = []
+    for precision in reversed(precisions):  # the likeliest winner first: channels_last before preserve, oneDNN before without
+        own = []
         for layout in reversed(layouts):
             if onednn and layout == layouts[-1] and "passes" not in fixed and "fuse" not in fixed:
-                built.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": cpu_kernel_passes(precision, layout)}))
-            built.append(Candidate(f"{precision} {layout}", {"precision": precision, "memory_format": layout}))
+                own.append(Candidate(f"{precision} {layout} + oneDNN", {"precision": precision, "memory_format": layout, "passes": cpu_kernel_passes(precision, layout)}))
+            own.append(Candidate(f"{precision} {layout}", {"precision": precision, "memory_format": layout}))
+        if precision == "fp32" and not fixed:  # the default call is PyTorch's first fp32 candidate
+            rest += own
+        else:
+            first.append(replace(own[0], required=True))
+            rest += own[1:]
+    first += engine_int8s
     if int8:
         int8_options = {"precision": "int8", "memory_format": "channels_last", "accuracy": accuracy}
         ruled_out = [name for name in ("precision", "passes", "fuse") if name in fixed] + (["memory_format"] if fixed.get("memory_format") == "preserve" else [])
         if ruled_out:
             left_out.append(TuneCandidate("int8", int8_options, status="not built", reason=f"explicit {', '.join(f'{name}=' for name in ruled_out)} rules int8 out"))
         else:
-            # after the graph with no passes and the engines' int8 (a runtime's int8, where one is installed, is the likelier winner)
-            engines_int8 = sum(candidate.options.get("precision") == "int8" for candidate in engine_candidates)
-            built.insert(1 + engines_int8, Candidate("int8 channels_last", int8_options))
+            first.append(Candidate("int8 channels_last", int8_options, required=True))
     fuse_choices = [fixed["fuse"]] if "fuse" in fixed else ["inductor", "graph"]
     best_precision = precisions[-1]
     for fuse in fuse_choices:
@@ -158,16 +168,17 @@ def candidates(
             if budget_s < COMPILE_BUDGET_S and "fuse" not in fixed:
                 left_out.append(TuneCandidate(candidate.name, candidate.options, status="not built", reason=f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"))
             else:
-                built.append(candidate)
-    return built, left_out
+                rest.append(candidate)
+    return first + rest, left_out
 
 
 def _engine_candidates(
     fixed: Mapping[str, Any], precisions: list[str], engines: Sequence[EngineInfo], int8_accuracy: float | None = None
-) -> tuple[list[Candidate], list[TuneCandidate]]:
+) -> tuple[list[Candidate], list[Candidate], list[TuneCandidate]]:
     """Each engine in each of ``precisions`` it computes in, lowest precision first (on a CPU with native bf16, every
-    engine's bf16 before any fp32), and the engines left out with the reason. ``int8_accuracy``: calibration batches
-    were given, so each engine that quantizes is first tried in int8 within this budget."""
+    engine's bf16 before any fp32); each engine that quantizes in int8 within ``int8_accuracy`` (calibration batches
+    were given; None: not a candidate); and the engines left out with the reason. Each is its precision class's only
+    candidate on its engine, so all are built whatever the budget."""
     usable, left_out = [], []
     ruled_out = [name for name in ("memory_format", "passes", "fuse") if name in fixed]
     for info in engines:
@@ -178,18 +189,18 @@ def _engine_candidates(
             left_out.append(TuneCandidate(info.name, {"engine": info.name}, status="not built", reason=reason))
         else:
             usable.append(info)
-    built = [
-        Candidate(f"{info.name} int8", {"engine": info.name, "precision": "int8", "accuracy": int8_accuracy})
-        for info in usable
-        if int8_accuracy is not None and "int8" in info.precisions
-    ]
-    built += [
-        Candidate(f"{info.name} {precision}", {"engine": info.name, "precision": precision})
+    floats = [
+        Candidate(f"{info.name} {precision}", {"engine": info.name, "precision": precision}, required=True)
         for precision in reversed(precisions)
         for info in usable
         if precision in info.precisions
     ]
-    return built, left_out
+    int8s = [
+        Candidate(f"{info.name} int8", {"engine": info.name, "precision": "int8", "accuracy": int8_accuracy}, required=True)
+        for info in usable
+        if int8_accuracy is not None and "int8" in info.precisions
+    ]
+    return floats, int8s, left_out
 
 
 def cache_key(model: nn.Module, args: tuple[Any, ...], settings: Mapping[str, Any]) -> str:

@@ -160,7 +160,8 @@ def test_explicit_options_are_not_tuned(monkeypatch: pytest.MonkeyPatch) -> None
     timer = use_timer(monkeypatch, {})
     model, inputs = resnet()
     graphopt.optimize(model, inputs, tune=True, memory_format="preserve", accuracy=3e-2)
-    assert timer.measured == [["captured graph, no passes", "bf16 preserve + oneDNN", "bf16 preserve", "fp32 preserve + oneDNN", "fp32 preserve"]]
+    # each precision's likeliest winner first (built whatever the budget), then the rest
+    assert timer.measured == [["captured graph, no passes", "bf16 preserve + oneDNN", "fp32 preserve + oneDNN", "bf16 preserve", "fp32 preserve"]]
 
 
 def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,6 +290,43 @@ def test_a_spent_budget_still_measures_the_reference_and_the_default_call(monkey
     cut = {c.name for c in report.tune.candidates if (c.status, c.reason) == ("not built", "tune_budget_s=1 spent on the candidates before it")}
     assert cut == {"fp32 channels_last + oneDNN", "fp32 channels_last", "fp32 preserve"}
     assert "fp32 preserve: not built: tune_budget_s=1 spent on the candidates before it" in str(report)
+
+
+def test_a_budget_spent_on_int8_still_builds_each_float_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every precision class accuracy admits gets its likeliest candidate whatever the budget, the float ones first:
+    int8's calibrating builds never leave bf16 unbuilt (EfficientNet-B0 lost its within-budget bf16 that way)."""
+    timer = use_timer(monkeypatch, {})
+    clock = use_clock(monkeypatch)
+    original = graphopt.api.build_candidate
+    built = []
+
+    def slow(model: nn.Module, example_inputs: Any, shared: Any, **options: Any) -> graphopt.OptimizedModule:
+        built.append(options.get("precision"))
+        clock.advance(60.0)  # each build over tune_budget_s=1
+        return original(model, example_inputs, shared, **options)
+
+    monkeypatch.setattr(graphopt.api, "build_candidate", slow)
+    monkeypatch.setattr(importlib.import_module("graphopt.passes.quantize_int8"), "compare_latency", lambda baseline, candidate, threshold, budget_s: measured_as(2.0, 1.0, threshold))
+    model, inputs = resnet()
+    batches = [torch.randn_like(inputs[0]) for _ in range(2)]
+    report = graphopt.optimize(model, inputs, tune=True, accuracy=5e-2, calibration=batches, tune_budget_s=1).graphopt_report
+    assert timer.measured == [["captured graph, no passes", "default call", "bf16 channels_last + oneDNN", "int8 channels_last"]]
+    assert built[2:] == ["bf16", "int8"]  # the float class before int8
+    cut = {c.name for c in report.tune.candidates if (c.status, c.reason) == ("not built", "tune_budget_s=1 spent on the candidates before it")}
+    assert cut == {"bf16 channels_last", "bf16 preserve", "fp32 channels_last + oneDNN", "fp32 channels_last", "fp32 preserve"}
+
+
+def test_each_engine_gets_each_precision_class_before_any_other_candidate() -> None:
+    engines = [ENGINES["openvino"], ENGINES["onnxruntime"]]
+    todo, _ = tuning.candidates(resnet()[0], {}, 5e-2, ["bf16"], 60.0, onednn=True, int8=True, engines=engines)
+    first = [candidate.name for candidate in todo if candidate.required]
+    assert first == [
+        "captured graph, no passes", "openvino bf16", "openvino fp32", "onnxruntime fp32", "default call", "bf16 channels_last + oneDNN",
+        "openvino int8", "onnxruntime int8", "int8 channels_last",
+    ]  # fmt: skip
+    assert [candidate.name for candidate in todo][: len(first)] == first  # before every other candidate
+    fixed, _ = tuning.candidates(resnet()[0], {"engine": "openvino"}, 5e-2, ["bf16"], 60.0, int8=True, engines=engines)
+    assert [(candidate.name, candidate.required) for candidate in fixed] == [("openvino bf16", True), ("openvino fp32", True), ("openvino int8", True)]
 
 
 class TwoLinears(nn.Module):
