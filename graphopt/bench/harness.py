@@ -377,7 +377,9 @@ class Harness:
         with tempfile.TemporaryDirectory(prefix="graphopt-bench-") as workdir:
             setup = Setup(model, inputs, self.device, self.low_precision, Path(workdir))
             for variant in self.variants:
-                outcome = VariantResult(variant.key, variant.label, variant.role, class_default=variant.class_default, int8=variant.precision == "int8")
+                outcome = VariantResult(
+                    variant.key, variant.label, variant.role, class_default=variant.class_default, int8=variant.precision == "int8", direct=variant.direct
+                )
                 result.variants.append(outcome)
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     outcome.status, outcome.reason = "skipped", f"time budget of {self.time_budget_s:.0f} s spent"

@@ -69,7 +69,7 @@ class VariantResult:
 
     key: str
     label: str
-    role: str  # "baseline", "graphopt" or "peer"
+    role: str  # "baseline", "graphopt", "peer" or "noise" (see `graphopt.bench.variants`)
     status: str = "ok"  # "ok", "failed" or "skipped"
     reason: str | None = None  # why it failed or was skipped
     setup_s: float | None = None  # building it (optimize, compile, export) plus its first call
@@ -79,6 +79,7 @@ class VariantResult:
     round_ratios: list[float] = field(default_factory=list)  # eager fp32 / this variant, per round
     class_default: str | None = None  # the precision class this variant is graphopt's public default for
     int8: bool = False  # it quantizes to int8: its class is "int8"
+    direct: str | None = None  # the peer running the same engine directly (a "noise" variant: the peer it copies)
 
     @property
     def precision_class(self) -> str | None:
@@ -149,6 +150,21 @@ class ModelResult:
         """Per peer key: its time / the fastest graphopt variant's time (None: the peer did not run)."""
         return {v.key: self.graphopt_vs(v) for v in self.variants if v.role == "peer"}
 
+    def engine_pairs(self) -> list[tuple[VariantResult, VariantResult, float]]:
+        """Each timed graphopt variant on an engine with its peer running that engine directly, and the peer's time /
+        graphopt's (> 1: graphopt is faster); the "noise" copy with the peer it copies (their ratio: the noise floor)."""
+        timed = {v.key: v for v in self.variants if v.samples_ms}
+        return [
+            (v, timed[v.direct], ratio)
+            for v in timed.values()
+            if v.direct in timed and (ratio := self.graphopt_vs(timed[v.direct], v)) is not None
+        ]
+
+    @property
+    def noise_floor(self) -> float | None:
+        """How far apart two identical copies of one peer timed: the median of their per-round ratios (None: not run)."""
+        return next((ratio for ours, _, ratio in self.engine_pairs() if ours.role == "noise"), None)
+
     def roofline(self, variant: VariantResult | None, rates: dict[str, float], low_precision: str) -> float | None:
         """``variant``'s achieved FLOP/s over the machine's matrix-multiply rate in its class's precision."""
         if variant is None or variant.precision_class is None:
@@ -187,6 +203,8 @@ class ModelResult:
             "best_graphopt": ours.key if ours else None,
             "graphopt_vs_best_peer": self.graphopt_vs_best_peer,
             "graphopt_vs_each_peer": self.graphopt_vs_each_peer(),
+            "noise_floor": self.noise_floor,
+            "direct_vs_through_graphopt": {ours.key: {"direct": direct.key, "ratio": ratio} for ours, direct, ratio in self.engine_pairs() if ours.role != "noise"},
             "variants": [self._variant_dict(v, rates or {}, low_precision) for v in self.variants],
         }
 
@@ -272,14 +290,16 @@ def to_markdown(result: BenchResult) -> str:
     lines += [f"> **implausible:** {problem}" for problem in result.implausible()]
     summary = [model for model in result.models if model.error is None]
     if summary:
-        lines += ["", "| model | best peer | best graphopt | graphopt vs best peer |", "|---|---|---|---|"]
+        lines += ["", "| model | best peer | best graphopt | graphopt vs best peer | noise floor (a peer against its copy) |", "|---|---|---|---|---|"]
         for model in summary:
             peer, ours = model.fastest("peer"), model.fastest("graphopt")
             lines.append(
-                f"| {model.name} | {_best(peer)} | {_best(ours)} | {_number(model.graphopt_vs_best_peer, '.2f', 'x')} |"
+                f"| {model.name} | {_best(peer)} | {_best(ours)} | {_number(model.graphopt_vs_best_peer, '.2f', 'x')} | "
+                f"{_number(model.noise_floor, '.2f', 'x')} |"
             )
     lines += _class_table(summary, rates, result.low_precision)
     lines += _each_peer_table(summary)
+    lines += _engine_pairs_table(summary)
     for model in result.models:
         shapes = ", ".join("x".join(map(str, shape)) for shape in model.input_shapes)
         lines += ["", f"### {model.name} (input {shapes})", ""]
@@ -358,6 +378,27 @@ def _each_peer_table(models: list[ModelResult]) -> list[str]:
         cells = [_number(ratios.get(key), ".2f", "x") for key, _ in peers]
         lines.append(f"| {model.name} | {ours.label if ours else '—'} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _engine_pairs_table(models: list[ModelResult]) -> list[str]:
+    """Per model, each engine used directly against the same engine through graphopt, beside the run's noise floor."""
+    rows = [
+        f"| {model.name} | {direct.label} | {ours.label} | {ratio:.2f}x | {_number(model.noise_floor, '.2f', 'x')} |"
+        for model in models
+        for ours, direct, ratio in model.engine_pairs()
+        if ours.role != "noise"
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "The same engine used directly and through graphopt (direct time / graphopt time, median of per-round ratios; "
+        "> 1: graphopt is faster), and the run's noise floor (OpenVINO f32 against an identical copy of itself):",
+        "",
+        "| model | engine used directly | through graphopt | direct vs graphopt | noise floor |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def _roofline(fraction: float | None) -> str:

@@ -8,7 +8,11 @@ rounds under ``torch.inference_mode()``.
 
 Roles: ``baseline`` (eager fp32, what every ratio divides), ``graphopt`` (graphopt's
 public API: ``graphopt.optimize`` presets and ``graphopt.export_onnx`` run by
-onnxruntime) and ``peer`` (everything graphopt has to beat). ``class_default`` marks the
+onnxruntime), ``peer`` (everything graphopt has to beat) and ``noise`` (a second, identical
+copy of a peer, OpenVINO f32: how far apart two copies of one thing time in this run, the
+noise floor every ratio is read against). A graphopt variant on an engine names in ``direct``
+the peer that runs the same engine on the model directly: the results pair them (an engine
+must never be slower through graphopt than used directly). ``class_default`` marks the
 graphopt variant a user gets without choosing anything for a precision class: the
 default call (``exact``), ``precision="bf16"``/``"fp16"`` (``low``) and ``precision="int8"``
 (``int8``: its peers quantize with the same calibration batches, `Setup.calibration`); the results
@@ -87,10 +91,12 @@ class Variant:
 
     key: str
     label: str
-    role: str  # "baseline", "graphopt" or "peer"
+    role: str  # "baseline", "graphopt", "peer" or "noise" (a peer's identical copy: the run's noise floor)
     build: Callable[[Setup], Runner]
     class_default: str | None = None  # "exact" or "low": graphopt's public default for that precision class
     precision: str = "fp32"  # "fp32", "low" (computes in the run's low precision), "int8" or "auto" (chooses by itself)
+    # a graphopt variant on an engine: the peer running that engine directly on the model; a "noise" variant: its copy's
+    direct: str | None = None
 
 
 def _channels_last(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -294,9 +300,9 @@ def _pt2e_int8(setup: Setup) -> Runner:
     return lambda: compiled(*setup.inputs)
 
 
-def _graphopt_variant(key: str, label: str, class_default: str | None = None, **options: Any) -> Variant:
+def _graphopt_variant(key: str, label: str, class_default: str | None = None, direct: str | None = None, **options: Any) -> Variant:
     precision = "int8" if options.get("calibration") else "auto" if options.get("tune") else "low" if options.get("precision") == "low" else options.get("precision", "fp32")
-    return Variant(key, label, "graphopt", _graphopt(**options), class_default, precision)
+    return Variant(key, label, "graphopt", _graphopt(**options), class_default, precision, direct)
 
 
 def _low(key: str, label: str, build: Callable[[Setup], Runner]) -> Variant:
@@ -330,15 +336,15 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         ),
         _graphopt_variant("graphopt-tune", "graphopt tuned (accuracy 3e-2)", tune=True, accuracy=3e-2),
         _graphopt_variant("graphopt-tune-exact", "graphopt tuned (exact)", tune=True),
-        _graphopt_variant("graphopt-openvino", 'graphopt engine="openvino" fp32', engine="openvino"),
-        _graphopt_variant("graphopt-openvino-low", f'graphopt engine="openvino" {low}', engine="openvino", precision="low"),
-        _graphopt_variant("graphopt-ort", 'graphopt engine="onnxruntime"', engine="onnxruntime"),
-        _graphopt_variant("graphopt-inductor", 'graphopt engine="inductor" fp32', engine="inductor"),
-        _graphopt_variant("graphopt-inductor-low", f'graphopt engine="inductor" {low}', engine="inductor", precision="low"),
+        _graphopt_variant("graphopt-openvino", 'graphopt engine="openvino" fp32', direct="openvino-f32", engine="openvino"),
+        _graphopt_variant("graphopt-openvino-low", f'graphopt engine="openvino" {low}', direct="openvino", engine="openvino", precision="low"),
+        _graphopt_variant("graphopt-ort", 'graphopt engine="onnxruntime"', direct="ort-plain", engine="onnxruntime"),
+        _graphopt_variant("graphopt-inductor", 'graphopt engine="inductor" fp32', direct="compile-freeze-cl", engine="inductor"),
+        _graphopt_variant("graphopt-inductor-low", f'graphopt engine="inductor" {low}', direct="compile-freeze-amp-cl", engine="inductor", precision="low"),
         _graphopt_variant("graphopt-int8", 'graphopt precision="int8"', "int8", precision="int8"),
         # the output error the int8 peers reach on the anchors (7e-2 to 1.4e-1 measured), instead of the default 5e-2
         _graphopt_variant("graphopt-int8-1e-1", 'graphopt precision="int8", accuracy=1e-1', precision="int8", accuracy=1e-1),
-        _graphopt_variant("graphopt-openvino-int8", 'graphopt engine="openvino" int8', engine="openvino", precision="int8"),
+        _graphopt_variant("graphopt-openvino-int8", 'graphopt engine="openvino" int8', direct="openvino-int8", engine="openvino", precision="int8"),
         _graphopt_variant("graphopt-ort-int8", 'graphopt engine="onnxruntime" int8', engine="onnxruntime", precision="int8"),
         # every int8 candidate (graphopt's kernels, each engine's) and the float ones, the fastest within the budget
         _graphopt_variant("graphopt-tune-int8", "graphopt tuned with calibration (accuracy 5e-2)", tune=True, calibration=True, accuracy=5e-2),
@@ -352,6 +358,7 @@ def variants(low_precision: str = "bf16") -> list[Variant]:
         Variant("ort-plain", "onnxruntime fp32 (plain export)", "peer", _onnxruntime(graphopt_export=False)),
         Variant("openvino", "OpenVINO (default precision)", "peer", _openvino(precision=None), precision="auto"),
         Variant("openvino-f32", "OpenVINO f32", "peer", _openvino(precision="f32")),
+        Variant("openvino-f32-again", "OpenVINO f32 again (the noise floor)", "noise", _openvino(precision="f32"), direct="openvino-f32"),
         Variant("openvino-int8", "OpenVINO int8 (NNCF)", "peer", _openvino_int8, precision="int8"),
         Variant("pt2e-int8", "torchao PT2E x86 int8 + torch.compile freezing", "peer", _pt2e_int8, precision="int8"),
     ]

@@ -92,6 +92,30 @@ def test_an_int8_variant_over_the_default_budget_is_flagged_in_the_class_table()
     assert "variant graphopt-int8 |" in row  # within the budget: not flagged
 
 
+def test_each_engine_is_shown_used_directly_and_through_graphopt_beside_the_noise_floor() -> None:
+    def paired(key: str, role: str, samples_ms: list[float], direct: str | None = None) -> VariantResult:
+        return VariantResult(key, f"variant {key}", role, max_error=0.0, samples_ms=samples_ms, round_ratios=[1.0] * 3, direct=direct)
+
+    variants = [
+        timed("eager", "baseline", 4.0),
+        paired("openvino-f32", "peer", [1.0, 1.2, 1.0]),
+        paired("openvino-f32-again", "noise", [1.0, 1.0, 1.1], direct="openvino-f32"),
+        paired("graphopt-openvino", "graphopt", [1.25, 1.5, 1.25], direct="openvino-f32"),  # 0.8x its peer every round
+        paired("graphopt-ort", "graphopt", [1.0, 1.0, 1.0], direct="ort-plain"),  # its peer did not run: no row
+    ]
+    model = ModelResult("tiny", [[2, 3, 8, 8]], flops=1e6, variants=variants)
+    assert [(ours.key, direct.key, ratio) for ours, direct, ratio in model.engine_pairs()] == [
+        ("openvino-f32-again", "openvino-f32", 1.0), ("graphopt-openvino", "openvino-f32", 0.8),
+    ]  # fmt: skip
+    assert model.noise_floor == 1.0
+    result = BenchResult("graphopt bench", machine(100.0), {"rounds": 3, "warmup": 1, "low_precision": "bf16"}, "RSS", [model])
+    data = result.to_dict()["models"][0]
+    assert data["noise_floor"] == 1.0 and data["direct_vs_through_graphopt"] == {"graphopt-openvino": {"direct": "openvino-f32", "ratio": 0.8}}
+    markdown = to_markdown(result)
+    assert "| tiny | variant openvino-f32 | variant graphopt-openvino | 0.80x | 1.00x |" in markdown
+    assert "graphopt-ort |" not in markdown.split("The same engine used directly")[1].split("###")[0]
+
+
 @pytest.mark.parametrize("count", [29, 250])
 def test_every_bar_gets_its_own_colour_and_hatch(count: int) -> None:
     styles = bar_styles(count)

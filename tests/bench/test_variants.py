@@ -32,9 +32,21 @@ def setup_for(tmp_path: Path, device: str = "cpu") -> Setup:
 def test_keys_are_unique_and_every_role_is_known() -> None:
     keys = [variant.key for variant in variants("fp16")]
     assert len(keys) == len(set(keys))
-    assert {variant.role for variant in variants()} == {"baseline", "graphopt", "peer"}
+    assert {variant.role for variant in variants()} == {"baseline", "graphopt", "peer", "noise"}
     assert variants()[0].role == "baseline"
     assert any("fp16" in variant.label for variant in variants("fp16"))
+
+
+def test_each_engine_through_graphopt_is_paired_with_the_same_engine_used_directly() -> None:
+    by_key = {variant.key: variant for variant in variants()}
+    pairs = {variant.key: variant.direct for variant in by_key.values() if variant.direct is not None}
+    assert pairs == {
+        "graphopt-openvino": "openvino-f32", "graphopt-openvino-low": "openvino", "graphopt-ort": "ort-plain", "graphopt-inductor": "compile-freeze-cl",
+        "graphopt-inductor-low": "compile-freeze-amp-cl", "graphopt-openvino-int8": "openvino-int8", "openvino-f32-again": "openvino-f32",
+    }  # fmt: skip
+    assert all(by_key[direct].role == "peer" for direct in pairs.values())
+    (noise,) = [variant for variant in by_key.values() if variant.role == "noise"]
+    assert noise.precision == by_key[noise.direct].precision
 
 
 def openvino_native_bf16() -> bool:
