@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.graphopt-installed
 # The CPU build of torch for development and CI; the library itself declares torch>=2.6.
 TORCH  := torch==2.13.0
 
-.PHONY: venv test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-generate bench-train bench-deploy bench-gpu clean
+.PHONY: venv torchvision test browser docs-pictures fuzz demo notebooks bench bench-reference bench-transformers bench-generate bench-train bench-deploy bench-gpu clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml | $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps '$(OPTIMUM_INTEL)'
 	touch $(STAMP)
+
+# torchvision for your own models (`graphopt bench --models torchvision.models:resnet50`): the CPU build that matches the
+# pinned torch, from PyTorch's index. PyPI's build is CUDA's: it pulls a CUDA torch over the CPU one, or fails to load beside it.
+torchvision: $(CORE_STAMP)
+	$(PY) -m pip install --quiet 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu
 
 # One pytest worker per core, a test file to a worker (its module fixtures are built once); see tests/conftest.py.
 test: $(STAMP) browser

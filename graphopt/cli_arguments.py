@@ -78,6 +78,19 @@ def _import(module_name: str) -> ModuleType:
     return importlib.import_module(module_name)
 
 
+def torchvision_hint() -> str:
+    """How to install the torchvision that matches this torch: PyPI's build is CUDA's, and pulls a CUDA torch over a CPU one
+    (or, beside it, fails to load its operators)."""
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    version = f"0.{minor + 15}" if major == 2 else "the release matching torch"  # torchvision 0.(N+15) goes with torch 2.N
+    index = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    return (
+        f"torchvision must match torch {torch.__version__}: pip install 'torchvision=={version}.*' --index-url "
+        f"https://download.pytorch.org/whl/{index} (or `make torchvision`); graphopt.models.anchors has ResNet-50, MobileNetV2, "
+        "EfficientNet-B0, ConvNeXt-Tiny and ViT-B/16 with torchvision's layers, without it"
+    )
+
+
 def _import_attribute(reference: str, form: str) -> Any:
     """What ``MODULE:NAME`` (or ``path/to/file.py:NAME``) names; ``form`` is the spelling errors show."""
     module_name, _, attribute = reference.rpartition(":")
@@ -88,7 +101,8 @@ def _import_attribute(reference: str, form: str) -> Any:
     except UsageError:
         raise
     except Exception as error:  # a module that fails to import is the user's to fix, not a crash
-        raise UsageError(f"cannot import {module_name!r} ({type(error).__name__}: {error}); is it on PYTHONPATH?") from error
+        hint = torchvision_hint() if module_name.split(".")[0] == "torchvision" else "is it on PYTHONPATH?"
+        raise UsageError(f"cannot import {module_name!r} ({type(error).__name__}: {error}); {hint}") from error
     found = getattr(module, attribute, None)
     if found is None:
         close = difflib.get_close_matches(attribute, [name for name in dir(module) if not name.startswith("_")], n=1)

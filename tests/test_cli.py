@@ -675,3 +675,18 @@ def test_calibration_without_int8_or_tune_is_refused_in_the_command_line_s_words
     reference, _ = calibration_file(tmp_path)
     code, _, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, "--calibration", reference)
     assert code == 2 and "--calibration is for --precision int8 (or --tune" in err, err
+
+
+def test_a_torchvision_model_that_fails_to_import_says_which_build_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphopt import cli_arguments
+
+    def broken(module_name: str) -> None:
+        raise RuntimeError("operator torchvision::nms does not exist")  # PyPI's CUDA build beside a CPU torch
+
+    monkeypatch.setattr(cli_arguments, "_import", broken)
+    with pytest.raises(cli_arguments.UsageError, match=r"torchvision must match torch .*--index-url https://download.pytorch.org/whl/") as raised:
+        cli_arguments.load_factory("torchvision.models:resnet50")
+    major, minor = torch.__version__.split(".")[:2]
+    assert f"torchvision==0.{int(minor) + 15}.*" in str(raised.value) and "graphopt.models.anchors" in str(raised.value)
+    with pytest.raises(cli_arguments.UsageError, match="is it on PYTHONPATH"):
+        cli_arguments.load_factory("my_models:resnet50")
