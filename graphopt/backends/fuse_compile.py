@@ -4,7 +4,7 @@
 
 - ``"inductor"``: each region that `extract_pointwise_regions` made is compiled with
   ``torch.compile`` (fullgraph, Inductor), its batch dimension marked dynamic so that
-  other batch sizes reuse the same kernel;
+  other batch sizes reuse the same kernel, as inference tensors and ordinary ones do;
 - ``"torchscript"``: each region is scripted with ``torch.jit.script``. PyTorch has
   deprecated TorchScript: graphopt says so once per process and keeps it working. On CPU
   its fuser needs an LLVM-enabled build of torch; without one the scripted region runs
@@ -29,8 +29,11 @@ optimize the copy again to compile it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import itertools
+import operator
 import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
@@ -64,6 +67,31 @@ class _CompileCounter:
 
         self.count += 1
         return compile_fx(gm, example_inputs)
+
+
+# the dispatch keys an inference tensor (made under torch.inference_mode) lacks and an ordinary tensor has
+_AUTOGRAD_KEYS = functools.reduce(
+    operator.or_, (torch._C.DispatchKeySet(key) for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther, torch._C.DispatchKey.AutogradNestedTensor))
+)
+
+
+def _same_keys_for_both_kinds(backend: str) -> contextlib.AbstractContextManager[Any]:
+    """Where autograd is off, a context in which Dynamo's guards read an inference tensor and an ordinary one alike.
+
+    Dynamo guards each tensor input on its dispatch keys as the thread's included and excluded keys leave them, and an
+    inference tensor has no ADInplaceOrView or autograd keys: a region fed the caller's tensor (ordinary, or an inference
+    tensor the caller made) shares its artifact with one fed an intermediate (an inference tensor under inference mode,
+    ordinary under no_grad), so the first call of the other kind compiled again, with the batch size static, and the
+    next batch size compiled a third time. With ADInplaceOrView included and the autograd keys excluded, both kinds have
+    the same keys: one compilation serves them. Without autograd this changes nothing else: inference mode excludes
+    those keys already and runs ADInplaceOrView's kernels on ordinary tensors; no_grad includes ADInplaceOrView and
+    records no graph. Training keeps the keys as they are (the regions' autograd needs them)."""
+    if backend == "torchscript" or torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    both = contextlib.ExitStack()
+    both.enter_context(torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView))
+    both.enter_context(torch._C._ExcludeDispatchKeyGuard(_AUTOGRAD_KEYS))
+    return both
 
 
 def _tracing() -> bool:
@@ -107,7 +135,8 @@ class FusedRegion(nn.Module):
         if self._compiled is None or _tracing():
             return self.region(*args)
         try:
-            return self._compiled(*args)
+            with _same_keys_for_both_kinds(self.backend):
+                return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 - eager decides whether the inputs or the backend are at fault
             outputs = self.region(*args)  # raises the user's own error when the inputs are wrong
             self.fallback_reason = error_summary(error)
@@ -212,16 +241,18 @@ def _warm_up(compiled: Callable[..., Any], args: tuple[Any, ...], dynamic: Mappi
     for i, dims in dynamic.items():
         torch._dynamo.maybe_mark_dynamic(args[i], list(dims))
     started = time.perf_counter()
-    with context():
+    with context(), _same_keys_for_both_kinds(backend):
         for _ in range(2 if backend == "torchscript" else 1):  # TorchScript's profiling executor optimizes on the second run
             compiled(*args)
     return time.perf_counter() - started
 
 
-def _check(compiled: Callable[..., Any], region: fx.GraphModule, args: tuple[Any, ...], context: RunContext) -> str:
+def _check(compiled: Callable[..., Any], region: fx.GraphModule, args: tuple[Any, ...], backend: str, context: RunContext) -> str:
     """Why the compiled region cannot be used ('' when it matches the eager one on ``args``)."""
     with context():
-        expected, actual = region(*args), compiled(*args)
+        expected = region(*args)
+        with _same_keys_for_both_kinds(backend):
+            actual = compiled(*args)
     dtypes = [t.dtype for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     comparison = verify.compare(expected, actual, min(dtypes, key=verify.tolerance_for, default=None) if dtypes else None)
     return "" if comparison.ok else f"compiled output differs from eager by {comparison.max_error:.1e} ({comparison.detail})"
@@ -262,7 +293,7 @@ def compile_regions(gm: fx.GraphModule, backend: str, example_inputs: tuple[Any,
             try:
                 compiled, counter = _make_compiled(backend, region)
                 entry.compile_seconds = _warm_up(compiled, args, dict.fromkeys(batch.get(name, ()), (0,)), backend, context)
-                entry.reason = _check(compiled, region, args, context)
+                entry.reason = _check(compiled, region, args, backend, context)
             except Exception as error:  # noqa: BLE001 - any backend failure leaves the region eager, with the reason
                 entry.reason = f"{backend} failed: {error_summary(error)}"
             if entry.reason:
