@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import os
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import graphopt
-from graphopt import dynamic, timing, tuning
+from graphopt import dynamic, quiet, timing, tuning
 from graphopt.passes import PassContext
 from graphopt.validate import SecondInputs
 from graphopt.verify import compare_gradients, confirm_gradients, run_reference
@@ -35,6 +36,16 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's option, on by default
         config.option.loadscopereorder = False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torchao_imported_quietly() -> None:
+    """torchao (the bench extra's PT2E int8 peer) is imported by transformers' quantizers whenever a test builds a Hugging Face model;
+    its first import logs that its CUDA and Python 3.10 extension modules fail to load, and torch that torchao registers
+    enums torch now handles itself. Imported once here with those notices dropped (`graphopt.quiet.TORCHAO_IMPORT_MESSAGES`,
+    as the benchmarks do), no test's output carries them; graphopt itself filters nothing on import."""
+    with contextlib.suppress(ImportError), quiet.log_messages_dropped(quiet.TORCHAO_IMPORT_MESSAGES):
+        import transformers.quantizers  # noqa: F401 - what imports torchao's modules when transformers builds a model
 
 
 @pytest.hookimpl(trylast=True)
