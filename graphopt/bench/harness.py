@@ -420,7 +420,9 @@ class Harness:
             with _PeakMemory(self.device) as memory:
                 _synchronize(self.device)
                 started = time.perf_counter()
-                runner = _in_inference_mode(variant.build(setup))
+                built = variant.build(setup)
+                outcome.note = getattr(built, "note", None)
+                runner = _in_inference_mode(built)
                 output = runner()
                 _synchronize(self.device)
                 outcome.setup_s = time.perf_counter() - started

@@ -80,6 +80,7 @@ class VariantResult:
     class_default: str | None = None  # the precision class this variant is graphopt's public default for
     int8: bool = False  # it quantizes to int8: its class is "int8"
     direct: str | None = None  # the peer running the same engine directly (a "noise" variant: the peer it copies)
+    note: str | None = None  # what the builder says of it (tune=True: its choice, and tune's own timing of it)
 
     @property
     def precision_class(self) -> str | None:
@@ -315,7 +316,7 @@ def to_markdown(result: BenchResult) -> str:
                 lines.append(f"| {v.label} | {v.status}: {v.reason} | | | | | | |")
                 continue
             lines.append(
-                f"| {v.label} | {_number(v.median_ms, '.2f', ' ms')} | {_number(v.ratio, '.2f', 'x')} | "
+                f"| {v.label}{f' ({v.note})' if v.note else ''} | {_number(v.median_ms, '.2f', ' ms')} | {_number(v.ratio, '.2f', 'x')} | "
                 f"{_number(v.setup_s, '.2f', ' s')} | {_number(v.peak_memory_mb, '.1f', ' MiB')} | {_number(v.max_error, '.1e')} | "
                 f"{v.precision_class or '—'} | {_number(v.gflops(model.flops), '.1f')} ({_roofline(model.roofline(v, rates, result.low_precision))}) |"
             )

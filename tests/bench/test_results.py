@@ -116,6 +116,13 @@ def test_each_engine_is_shown_used_directly_and_through_graphopt_beside_the_nois
     assert "graphopt-ort |" not in markdown.split("The same engine used directly")[1].split("###")[0]
 
 
+def test_a_variant_note_is_printed_beside_its_label() -> None:
+    noted = VariantResult("graphopt-tune", "graphopt tuned", "graphopt", max_error=0.0, samples_ms=[1.0] * 3, round_ratios=[1.0] * 3, note="chose openvino fp32, timed at 0.98 ms by tune")
+    model = ModelResult("tiny", [[2, 3, 8, 8]], flops=1e6, variants=[timed("eager", "baseline", 4.0), noted])
+    markdown = to_markdown(BenchResult("graphopt bench", machine(100.0), {"rounds": 3, "warmup": 1, "low_precision": "bf16"}, "RSS", [model]))
+    assert "| graphopt tuned (chose openvino fp32, timed at 0.98 ms by tune) | 1.00 ms |" in markdown
+
+
 @pytest.mark.parametrize("count", [29, 250])
 def test_every_bar_gets_its_own_colour_and_hatch(count: int) -> None:
     styles = bar_styles(count)

@@ -96,6 +96,16 @@ def test_an_option_graphopt_does_not_accept_skips_the_variant(tmp_path: Path) ->
         _graphopt(tune_harder=True, not_an_option=1)(setup_for(tmp_path))
 
 
+def test_a_tuned_variant_notes_its_choice_and_tunes_own_time_of_it() -> None:
+    from graphopt.bench.variants import _tune_note
+    from graphopt.report import TuneCandidate, TuneReport
+
+    rows = [TuneCandidate("openvino fp32", {}, "measured", seconds=0.03341), TuneCandidate("default call", {}, "measured", seconds=0.04)]
+    assert _tune_note(TuneReport("openvino fp32", "fastest", rows, 1e-4)) == "chose openvino fp32, timed at 33.41 ms by tune"
+    assert _tune_note(TuneReport("openvino fp32", "fastest", rows, 1e-4, cache="hit")) == "chose openvino fp32, timed at 33.41 ms by tune (remembered)"
+    assert _tune_note(None) is None
+
+
 def test_cpu_only_and_provider_less_variants_skip_on_cuda(tmp_path: Path) -> None:
     setup = setup_for(tmp_path, "cuda")  # nothing is moved to the device: they refuse before
     with pytest.raises(VariantSkipped, match="runs on CPU only"):
