@@ -11,10 +11,11 @@ batch size, fresh values, other strides). A pass that fails either check is roll
 back and the others stand (`run_verified`), or, with ``verify="strict"``, the failure
 raises `VerificationError` naming the pass, the error, the output and the rewrites.
 
-A `measured` pass (with ``ctx.measure``) stays only if the graph runs clearly faster with
-it (`graphopt.timing.compare_latency`: paired rounds until the ratio is clear of
-`MIN_MEASURED_GAIN` or `MEASURE_BUDGET_S` is spent); a close measurement keeps the graph
-without it, the stated default. A clear decision is remembered on this machine (the CPU,
+A `measured` pass (with ``ctx.measure``) is undone only if the graph runs clearly slower with
+it (`graphopt.timing.compare_latency`: paired rounds until the ratio is clearly
+`MIN_MEASURED_GAIN` faster or clearly slower, or `MEASURE_BUDGET_S` is spent): the preset's
+choice stands through a measurement within the noise, so that runs on a loaded machine agree,
+and the note says so. A clear decision is remembered on this machine (the CPU,
 torch, the thread count, the graph before and after the pass, the example inputs' shapes,
 dtypes and strides) and reused instead of measured again, unless ``ctx.remeasure`` or
 ``GRAPHOPT_REMEASURE=1``. The report shows one time per graph: a measurement that starts
@@ -192,7 +193,7 @@ def _node_changes(nodes: Iterable[fx.Node]) -> list[NodeChange]:
 
 
 def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> Comparison:
-    """``before`` against ``after`` on the example inputs (forward only), until clear of `MIN_MEASURED_GAIN` or the budget is spent."""
+    """``before`` against ``after`` on the example inputs (forward only), until settled (`compare_latency`) or the budget is spent."""
     with verify.isolated(before), verify.isolated(after):
         return compare_latency(
             lambda: before(*ctx.example_inputs), lambda: after(*ctx.example_inputs), threshold=pass_base.MIN_MEASURED_GAIN, budget_s=MEASURE_BUDGET_S
@@ -224,7 +225,7 @@ def _decision_key(info: PassInfo, before: fx.GraphModule, after: fx.GraphModule,
 
 
 def _measured_decision(info: PassInfo, before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) -> tuple[Comparison, bool]:
-    """Whether ``after`` is clearly faster than ``before``, and whether that was remembered from an earlier run.
+    """``before`` against ``after`` (`_measure`), and whether that was remembered from an earlier run.
 
     A clear measurement is remembered; with ``ctx.remeasure`` (or ``GRAPHOPT_REMEASURE=1``) a
     remembered one is measured again, and a new result that is not clear forgets it.
@@ -238,16 +239,19 @@ def _measured_decision(info: PassInfo, before: fx.GraphModule, after: fx.GraphMo
     return measurement, False
 
 
-def _decision_note(measurement: Comparison, cached: bool, kept: bool) -> str:
-    """``measured on the example inputs: 16.52 ms without, 8.10 ms with (2.04x): kept``, or why it was undone."""
+def _decision_note(measurement: Comparison, cached: bool) -> str:
+    """``measured on the example inputs: 16.52 ms without, 8.10 ms with (2.04x): kept``, and why where it is not clear.
+
+    The pass is undone only where `Comparison.slower`; "with" is "without" over the paired ratio, so the figures agree.
+    """
     source = "measured on the example inputs in an earlier run on this machine" if cached else "measured on the example inputs"
     before = f"{measurement.baseline_s * 1e3:.2f} ms without" + (" (as timed above)" if measurement.anchored else "")
     figures = f"{source}: {before}, {measurement.candidate_s * 1e3:.2f} ms with ({measurement.ratio:.2f}x)"
-    if kept:
+    if measurement.slower:
+        return f"{figures}: undone (clearly slower with it, beyond the measurement noise)"
+    if measurement.faster:
         return f"{figures}: kept"
-    if measurement.high < measurement.threshold:
-        return f"{figures}: undone (a measured pass must be {measurement.threshold:.2f}x faster to stay)"
-    return f"{figures}: undone (not clearly {measurement.threshold:.2f}x faster within the measurement noise: the graph without it is the default)"
+    return f"{figures}: kept (within the measurement noise: the preset's choice stands unless the pass is clearly slower)"
 
 
 @dataclass
@@ -352,7 +356,7 @@ def run_passes(
     """Run ``infos`` in order on ``gm``, each verified on the example, the result on the second input.
 
     ``capture_error`` is the captured graph's error, carried by passes that change nothing.
-    With ``ctx.measure``, a `measured` pass that does not make the graph faster is undone.
+    With ``ctx.measure``, a `measured` pass that makes the graph clearly slower is undone.
     Returns the optimized graph module (``gm`` itself unless a pass was undone), the reports,
     the graph diff of each pass and the final graph's errors on the second input (outputs,
     gradients; None without ``verifier`` or a second input). A failed check raises
@@ -399,13 +403,12 @@ def run_passes(
             measurement, cached = _measured_decision(info, undo_copy, gm, ctx)
             if latency is not None:  # the graph it started from already has a time in the report
                 measurement = measurement.anchored_to(latency)
-            kept = measurement.faster
-            if not kept:
+            if measurement.slower:
                 gm = undo_copy
                 report = PassReport(info.name, seconds=report.seconds, max_error=error if verifier is not None else None, gradient_error=gradient_error)
-            report.notes.append(_decision_note(measurement, cached, kept))
+            report.notes.append(_decision_note(measurement, cached))
             report.measurement, report.measurement_cached = measurement, cached
-            latency = measurement.candidate_s if kept else measurement.baseline_s
+            latency = measurement.baseline_s if measurement.slower else measurement.candidate_s
         elif result.modified:
             latency = None
         error = report.max_error if report.max_error is not None else error

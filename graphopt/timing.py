@@ -7,16 +7,21 @@ of them alike. Each round gives a paired ratio (the baseline's time over the can
 a moment apart); the decision
 rests on the median of those ratios and its `CONFIDENCE` interval (order statistics, as the
 sign test: no assumption about the shape of the noise, and a burst that slows one call makes
-one extreme ratio, not a shifted mean). Rounds go on until the interval clears the decision's
-threshold or the budget (seconds, or `MAX_ROUNDS`) is spent; `MIN_ROUNDS` rounds always run,
-the fewest whose interval is finite.
+one extreme ratio, not a shifted mean). Rounds go on until the decision is settled or the budget
+(seconds, or `MAX_ROUNDS`) is spent; `MIN_ROUNDS` rounds always run, the fewest whose interval is
+finite. Two rules decide on a `Comparison`: a candidate the caller's default leaves out (int8
+against float32) is taken only where `Comparison.faster` (the interval above the threshold); a
+candidate the default includes (a measured pass of the preset, a oneDNN kernel, the compiled decode
+step) stays unless `Comparison.slower` (the interval below 1), so that a measurement that stays
+within the noise, as under other processes' load, leaves the default and repeated runs agree. The
+interval is settled for both once it is above the threshold or below 1.
 
 Every measurement also records how many cores other processes kept busy meanwhile (`ForeignLoad`:
 the system's busy CPU time minus this process's own, from psutil; unknown without it). The
-verdict: ``"clear"`` (the interval is on one side of the threshold), ``"close"`` (it still
-straddles the threshold when the budget is spent: the caller falls back to its stated default)
-or ``"disturbed"`` (other processes kept more than `FOREIGN_LOAD_LIMIT` cores busy on average:
-the figures are flagged and a decision is not remembered, whatever the interval says).
+verdict: ``"clear"`` (the interval is above the threshold or below 1: settled), ``"close"`` (neither
+when the budget is spent: the caller keeps its stated default) or ``"disturbed"`` (other processes
+kept more than `FOREIGN_LOAD_LIMIT` cores busy on average: the figures are flagged and a decision
+is not remembered, whatever the interval says).
 
 A decision measured "clear" is remembered (`remembered`, `remember`) in
 ``$GRAPHOPT_CACHE_DIR/measured.json`` (default ``~/.cache/graphopt``, beside tune's cache),
@@ -181,6 +186,8 @@ class Comparison:
     """A baseline against a candidate, measured in paired rounds (`compare_latency`)."""
 
     baseline_s: float  # median seconds per call
+    # baseline_s over ratio: the candidate's time as the paired rounds put it (under load its own median can contradict
+    # the ratio: 62.54 ms without, 43.80 ms with, at 0.85x)
     candidate_s: float
     ratio: float  # how many times faster the candidate ran: the median of the rounds' baseline / candidate
     low: float  # the `CONFIDENCE` interval of that median
@@ -196,15 +203,26 @@ class Comparison:
         """The comparison that paired samples (seconds, round by round) support."""
         ratios = [b / c if c > 0 else math.inf for b, c in zip(baseline, candidate, strict=True)]
         low, high = median_interval(ratios)
+        baseline_s, ratio = statistics.median(baseline), statistics.median(ratios)
         return cls(
-            statistics.median(baseline), statistics.median(candidate), statistics.median(ratios), low, high, threshold,
-            len(ratios), foreign_cores, _verdict(low > threshold or high < threshold, foreign_cores),
+            baseline_s, baseline_s / ratio if ratio > 0 else math.inf, ratio, low, high, threshold,
+            len(ratios), foreign_cores, _verdict(low > threshold or high < 1.0, foreign_cores),
         )  # fmt: skip
 
     @property
     def faster(self) -> bool:
-        """The candidate is faster than the threshold asks, beyond the noise (a "close" one is not)."""
+        """The candidate is faster than the threshold asks, beyond the noise: a default without it takes it only then."""
         return self.low > self.threshold
+
+    @property
+    def slower(self) -> bool:
+        """The candidate is slower than the baseline, beyond the noise (the whole interval below 1).
+
+        A default that includes the candidate (a measured pass of the preset, a kernel a pass chose)
+        keeps it unless this holds: a measurement within the noise, however loaded the machine,
+        leaves the default's choice, so that repeated runs agree.
+        """
+        return self.high < 1.0
 
     @property
     def noise(self) -> float:
@@ -233,7 +251,7 @@ class Comparison:
                 "measured: its figures are unreliable and the decision is not reused; measure on a quieter machine to settle it"
             )
         if self.verdict == "close":
-            return f"within the measurement noise after {self.rounds} rounds: neither clearly above nor below {self.threshold:.2f}x"
+            return f"within the measurement noise after {self.rounds} rounds: neither clearly {self.threshold:.2f}x faster nor clearly slower"
         return ""
 
 
@@ -319,12 +337,13 @@ def compare_latency(
     budget_s: float = 2.0,
     measure: Measure = wall_clock_seconds,
 ) -> Comparison:
-    """``baseline`` against ``candidate`` in paired rounds (A B, B A, ...) until the ratio is clear of ``threshold``.
+    """``baseline`` against ``candidate`` in paired rounds (A B, B A, ...) until the decision is settled.
 
-    Stops as soon as the interval of the paired ratio is on one side of ``threshold`` (how many
-    times faster the candidate must be), or when ``budget_s`` is spent (at least `MIN_ROUNDS`
-    rounds: a long call may overrun it); the caller keeps the candidate only where
-    `Comparison.faster`, so a close result falls back to the baseline.
+    Stops as soon as the interval of the paired ratio is above ``threshold`` (how many times faster
+    the candidate must be to count as faster: `Comparison.faster`) or below 1 (`Comparison.slower`),
+    where neither rule's decision can change any more, or when ``budget_s`` is spent (at least
+    `MIN_ROUNDS` rounds: a long call may overrun it). A close result leaves the caller's default:
+    without the candidate where it is taken only if faster, with it where it stays unless slower.
     """
     samples, foreign = _paired_rounds(
         {"baseline": baseline, "candidate": candidate},
@@ -391,7 +410,8 @@ def remembered(key: str) -> Comparison | None:
         comparison = Comparison(**entry)
     except TypeError:  # missing, or written by another graphopt version
         return None
-    return comparison if comparison.verdict == "clear" else None
+    # an entry from before "clear" meant settled (above the threshold or below 1) is measured again
+    return comparison if comparison.verdict == "clear" and (comparison.faster or comparison.slower) else None
 
 
 def remember(key: str, comparison: Comparison) -> None:

@@ -100,6 +100,42 @@ def test_a_clearly_slower_candidate_is_clear_and_not_faster(clock: FakeClock) ->
     assert result.verdict == "clear" and not result.faster and result.high < 1.02 and result.rounds == timing.MIN_ROUNDS
 
 
+@pytest.mark.parametrize("candidate_s, settled", [(0.0099, False), (0.0101, True)], ids=["1.01x", "0.99x"])
+def test_the_rounds_stop_once_neither_rule_can_change_its_decision(clock: FakeClock, candidate_s: float, settled: bool) -> None:
+    # steady calls: the interval is the ratio itself. At 1.01x the candidate is neither clearly 1.02x faster (taken where
+    # it must be faster) nor clearly slower (undone where it stays unless slower): rounds run until the budget is spent
+    _, baseline = timed_call(clock, [0.01])
+    _, candidate = timed_call(clock, [candidate_s])
+    result = timing.compare_latency(baseline, candidate, threshold=1.02, budget_s=0.5)
+    assert not result.faster and result.slower is settled
+    if settled:
+        assert result.verdict == "clear" and result.rounds == timing.MIN_ROUNDS
+    else:
+        assert result.verdict == "close" and clock.now > 0.45
+        assert result.concern() == f"within the measurement noise after {result.rounds} rounds: neither clearly 1.02x faster nor clearly slower"
+
+
+def test_the_candidate_s_time_follows_the_paired_ratio() -> None:
+    # under load the medians of each side can contradict the rounds: here the candidate is 0.85x in 17 of 20 rounds,
+    # yet its own median (8.82) is below the baseline's (10.50), as bursts slowed the baseline where the candidate ran fast
+    baseline = [*range(1, 18), 100, 100, 100]
+    candidate = [*(b / 0.85 for b in range(1, 18)), 0.5, 0.5, 0.5]
+    result = timing.Comparison.of(baseline, candidate, 1.02, foreign_cores=0.0)
+    assert result.baseline_s == 10.5 and result.ratio == pytest.approx(0.85) and result.slower
+    assert result.candidate_s == pytest.approx(10.5 / 0.85), "the time the ratio says, not the candidate's median"
+
+
+def test_a_remembered_decision_that_is_not_settled_is_measured_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # written when "clear" meant clear of the threshold: 1.01x with a tight interval, under 1.02x but not slower
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    key = timing.decision_key("a pass")
+    timing.remember(key, timing.Comparison(1.01, 1.0, 1.01, 1.005, 1.015, 1.02, 8, 0.0, "clear"))
+    assert timing.remembered(key) is None
+    settled = timing.Comparison.of([0.99] * 8, [1.0] * 8, 1.02, foreign_cores=0.0)
+    timing.remember(key, settled)
+    assert settled.verdict == "clear" and timing.remembered(key) == settled
+
+
 @pytest.mark.parametrize("count", [*range(1, 60), 200])
 def test_the_median_interval_is_the_widest_cut_that_keeps_its_confidence(count: int) -> None:
     low, high = timing.median_interval(list(range(1, count + 1)))  # values 1..n: the interval names its order statistics

@@ -49,7 +49,7 @@ class PassInfo:
     description: str
     presets: tuple[Mode, ...] = ()  # the mode presets that run it by default; otherwise it is opt-in
     exact: bool = True  # changes numerics by rounding only; False: verified with the low dtype's tolerance
-    measured: bool = False  # its benefit depends on model and hardware: with memory_format="auto", kept only if measured faster
+    measured: bool = False  # its benefit depends on model and hardware: with memory_format="auto", undone only if measured clearly slower
     preset_only_measured: bool = False  # in its presets only with memory_format="auto" (measured); otherwise opt-in (passes=)
     changes_state: bool = False  # rewrites stored tensors (values, shapes, dtypes or keys); see docs/writing-a-pass.md
     layout: bool = False  # changes memory formats: memory_format="preserve" leaves it out
@@ -157,7 +157,7 @@ REGISTRY: dict[str, PassInfo] = {
             use_onednn_kernels,
             ("inference",),
             "run conv/linear (+ activation, + residual add) as oneDNN fused CPU kernels with weights prepacked once "
-            "(by default where measured faster)",
+            "(by default unless measured slower)",
             presets=("inference",),
             measured=True,
             preset_only_measured=True,
@@ -186,7 +186,7 @@ REGISTRY: dict[str, PassInfo] = {
             "use_onednn_linear",
             use_onednn_linear,
             ("inference",),
-            "run large CPU linears (+ activation, or + residual add) as oneDNN fused kernels on their own weights where measured faster",
+            "run large CPU linears (+ activation, or + residual add) as oneDNN fused kernels on their own weights unless measured slower",
             presets=("inference",),
             after_precision=True,
             onnx="left out",

@@ -20,7 +20,7 @@ from graphopt.report import PassReport
 
 Mode = Literal["inference", "training"]
 MODES: tuple[Mode, ...] = ("inference", "training")
-MIN_MEASURED_GAIN = 1.02  # a measured pass must make the graph at least this much faster to stay
+MIN_MEASURED_GAIN = 1.02  # a measured pass this much faster beyond the noise is clearly faster (settled, remembered)
 
 
 @dataclass
@@ -30,7 +30,7 @@ class PassContext:
     mode: Mode = "inference"
     example_inputs: tuple[Any, ...] = field(default_factory=tuple)
     keep_channels_last_outputs: bool = False  # to_channels_last: leave 4-D outputs in channels_last
-    measure: bool = False  # keep a `measured` pass only if the graph runs faster with it
+    measure: bool = False  # undo a `measured` pass if the graph runs clearly slower with it
     remeasure: bool = False  # measure again instead of reusing a decision remembered on this machine (also GRAPHOPT_REMEASURE=1)
     precision: torch.dtype | None = None  # use_low_precision: the low dtype (bf16/fp16)
     low_precision_ops: frozenset[str] = frozenset()  # use_low_precision: op families run in `precision`

@@ -273,8 +273,10 @@ def test_optimize_reports_the_pass() -> None:
     assert_same_outputs(model, optimized, inputs)
 
 
-@pytest.mark.parametrize("gain, kept", [(1.5, True), (1.01, False)])
-def test_auto_keeps_the_layout_only_when_it_measures_faster(monkeypatch: pytest.MonkeyPatch, gain: float, kept: bool) -> None:
+@pytest.mark.parametrize("gain, note", [(1.5, "kept"), (1.01, "the pass is clearly slower)"), (0.9, "beyond the measurement noise)")])
+@pytest.mark.usefixtures("convolutions_pay")
+def test_auto_keeps_the_layout_unless_it_measures_slower(monkeypatch: pytest.MonkeyPatch, gain: float, note: str) -> None:
+    kept = gain > 1.0  # 1.01x: not clearly 1.02x faster, not slower either: the preset's choice stands
     monkeypatch.setattr(pipeline, "compare_latency", lambda before, after, threshold, budget_s: measured_as(gain, 1.0, threshold))
     model = randomize_batch_norms(REFERENCE_MODELS["resnet"].build()).eval()
     inputs = (torch.randn(2, 3, 32, 32),)
@@ -282,7 +284,7 @@ def test_auto_keeps_the_layout_only_when_it_measures_faster(monkeypatch: pytest.
     optimized = graphopt.optimize(model, inputs, disable=["use_onednn_kernels"])
     report = optimized.graphopt_report["to_channels_last"]
     assert report.modified is kept
-    assert "ms without" in report.notes[-1] and report.notes[-1].endswith("kept" if kept else "to stay)")
+    assert "ms without" in report.notes[-1] and report.notes[-1].endswith(note)
     assert bool(conversions(optimized.graph_module)) is kept
     weight = optimized.get_parameter("stem_conv.weight")
     assert weight.is_contiguous(memory_format=CL) is kept

@@ -291,6 +291,7 @@ class Timed:
 
 
 @pytest.mark.parametrize("faster", [True, False])
+@pytest.mark.usefixtures("convolutions_pay")  # no clock decides anything here: on a loaded machine channels_last was left out
 def test_the_default_call_keeps_the_kernels_only_where_they_measure_faster(faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     pipeline = importlib.import_module("graphopt.pipeline")
     monkeypatch.setattr(pipeline, "compare_latency", Timed(0.5 if faster else 2.0))
@@ -299,7 +300,7 @@ def test_the_default_call_keeps_the_kernels_only_where_they_measure_faster(faste
     fast = graphopt.optimize(model, (x,))
     report = fast.graphopt_report["use_onednn_kernels"]
     assert len(prepacked(fast.graph_module)) == (3 if faster else 0)
-    assert report.notes[-1].endswith("(2.00x): kept" if faster else "(0.50x): undone (a measured pass must be 1.02x faster to stay)")
+    assert report.notes[-1].endswith("(2.00x): kept" if faster else "(0.50x): undone (clearly slower with it, beyond the measurement noise)")
     second = torch.randn(5, 3, 6, 6)
     assert_same_outputs(model, fast, (second,), FP32)
     assert list(fast.state_dict()) == list(graphopt.optimize(model, (x,), memory_format="channels_last").state_dict())
