@@ -70,6 +70,8 @@ def optimize(
     tune: bool = False,
     accuracy: float | None = None,
     tune_budget_s: float = tuning.DEFAULT_BUDGET_S,
+    tune_target: str = "latency",
+    tune_batch_size: int | None = None,
     remeasure: bool = False,
     progress: bool | None = None,
 ) -> OptimizedModule:
@@ -145,7 +147,8 @@ def optimize(
         tune: build candidate configurations (the graph with no passes; memory formats;
             each low precision ``accuracy`` admits; int8 with ``calibration``; fusion when
             ``tune_budget_s`` allows),
-            time them on the example inputs and return the fastest within ``accuracy``.
+            time them on the example inputs (``tune_target="throughput"``: at ``tune_batch_size``) and return the
+            fastest within ``accuracy``.
             Options given explicitly (``memory_format``, ``precision``, ``fuse``,
             ``passes``) are kept, not tuned. Choices are cached (see ``graphopt.tuning``); a cached
             choice is verified on this model and tuned again if over ``accuracy``. Not with
@@ -156,6 +159,13 @@ def optimize(
             example inputs and verified on them and on a second input.
         tune_budget_s: with ``tune``, about how many seconds tuning may take beyond each precision class's first
             candidate on each engine, which is always built (see ``graphopt.tuning.candidates``).
+        tune_target: with ``tune``, what the candidates are ranked by: ``"latency"`` (default: seconds per call on
+            the example inputs) or ``"throughput"`` (samples per second at ``tune_batch_size``: each candidate is timed
+            on inputs whose batch dimension, dim 0 of each tensor with the example's batch size, holds that many rows,
+            the example's repeated, and must accept them; see ``graphopt.tuning``). Not for a causal language model's
+            ``generate()``, which tune times per new token.
+        tune_batch_size: with ``tune_target="throughput"``, the batch size (an int >= 1) to time at; one other than the
+            example's needs the batch dimension free (``dynamic_shapes`` other than None).
         remeasure: time the measured passes again instead of reusing a clear decision this
             machine took before for the same graph and inputs (also ``GRAPHOPT_REMEASURE=1``;
             see ``graphopt.timing``).
@@ -174,7 +184,7 @@ def optimize(
             dynamic_shapes=dynamic_shapes, dynamic_batch=dynamic_batch, verify=verify, memory_format=memory_format,
             keep_channels_last_outputs=keep_channels_last_outputs, precision=precision, low_precision_ops=low_precision_ops,
             fp32_ops=fp32_ops, calibration=calibration, fuse=fuse, engine=engine, device=device, tune=tune, accuracy=accuracy,
-            tune_budget_s=tune_budget_s, remeasure=remeasure,
+            tune_budget_s=tune_budget_s, tune_target=tune_target, tune_batch_size=tune_batch_size, remeasure=remeasure,
         )  # fmt: skip
         if options.tune:
             return _tuned(model, example_inputs, options)
@@ -314,7 +324,8 @@ def _tuned(model: nn.Module, example_inputs: Any, options: Options) -> Optimized
         int8 = {"calibration": batches} if candidate.get("precision") == INT8 else {}
         return build_candidate(model, example_inputs, shared, **{**common, **fixed, **candidate, **int8})
 
-    settings = {**common, "mode": options.mode, "budget_s": options.tune_budget_s}  # a model in train mode is tuned apart from eval
+    # a model in train mode is tuned apart from eval, and a choice for latency apart from one for throughput at each batch
+    settings = {**common, "mode": options.mode, "budget_s": options.tune_budget_s, "target": options.tune_target, "batch": options.tune_batch_size}
     if batches is not None:
         settings["calibration"] = f"{len(batches)} batches"
     cpu_inference = options.mode == "inference" and device_types(model) == {"cpu"}
@@ -331,4 +342,5 @@ def _tuned(model: nn.Module, example_inputs: Any, options: Options) -> Optimized
         emulated=emulated,
         int8=batches is not None,
         engines=[info for info in ENGINES.values() if not info.own_passes] if cpu_inference else [],  # the other engines serve CPU inference
+        batch_size=options.tune_batch_size,
     )

@@ -3,6 +3,7 @@
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 [--mode inference] [--report report.json] [--onnx out.onnx]
     graphopt optimize path/to/net.py:build --input 8x3x224x224   (MODULE may also be a module of the current folder)
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 --save model.pt2 [--package model-aoti.pt2]
+    graphopt optimize MODULE:FACTORY --input 8x3x224x224 --tune [--accuracy 3e-2] [--tune-target throughput --tune-batch-size 32]
     graphopt optimize MODULE:FACTORY --input 8x3x224x224 --precision int8 --calibration batches/ [--accuracy 5e-2]
                       (--calibration: a folder of .pt files, a .pt file of a list of batches, or MODULE:FUNCTION)
     graphopt run model.pt2 [--input 4x3x224x224] [--rounds 20] [--allow-import]   (a graphopt.save file or an AOTInductor package)
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from graphopt import __version__
-from graphopt.options import MEMORY_FORMATS
+from graphopt.options import MEMORY_FORMATS, TUNE_TARGETS
 from graphopt.backends import DEFAULT_ENGINE, ENGINES
 from graphopt.backends.fuse_compile import FUSE_BACKENDS
 from graphopt.bench.suite import QUICK_VARIANTS
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the runtime the optimized graph runs on (inference; see graphopt engines); default: graphopt's own PyTorch runtime",
     )
     run.add_argument("--tune", action="store_true", help="time candidate configurations (every installed engine too) and keep the fastest within --accuracy")
+    run.add_argument(
+        "--tune-target",
+        choices=TUNE_TARGETS,
+        default="latency",
+        help="with --tune: rank by latency on the example inputs (default) or by throughput at --tune-batch-size",
+    )
+    run.add_argument("--tune-batch-size", type=int, metavar="N", help="with --tune-target throughput: the batch size to time the candidates at")
     run.add_argument(
         "--accuracy",
         type=float,

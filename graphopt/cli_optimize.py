@@ -40,6 +40,8 @@ def optimize_command(args: argparse.Namespace) -> int:
         engine=args.engine,
         tune=args.tune,
         accuracy=args.accuracy,
+        tune_target=args.tune_target,
+        tune_batch_size=args.tune_batch_size,
         progress=progress_of(args),
     )
     print(optimized.graphopt_report)

@@ -134,6 +134,19 @@ def copied_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return pytree.tree_map(copied, args)
 
 
+def at_batch_size(args: tuple[Any, ...], size: int) -> tuple[Any, ...]:
+    """``args`` with ``size`` rows in the batch dimension (dim 0 of each tensor whose first size is the example's batch,
+    as `graphopt.dynamic` counts it): the example's rows repeated in turn, or its first ``size``; other values shared."""
+    batch = batch_size(args)
+
+    def resized(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != batch:
+            return leaf
+        return leaf.detach()[torch.arange(size, device=leaf.device) % batch].requires_grad_(leaf.requires_grad)
+
+    return pytree.tree_map(resized, args)
+
+
 def _other_layout(shape: tuple[int, ...], example: torch.Tensor) -> tuple[torch.Tensor, str]:
     """An empty tensor of ``shape`` laid out unlike ``example`` (the layout's name)."""
     make = dict(dtype=example.dtype, device=example.device)

@@ -30,6 +30,7 @@ from graphopt.validate import check_model, positional_inputs
 from graphopt.verify import tolerance_for
 
 MEMORY_FORMATS = ("auto", "channels_last", "preserve")
+TUNE_TARGETS = ("latency", "throughput")  # tune=True's ranking: seconds per call at the example's batch, or samples per second at tune_batch_size
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Options:
     tune: bool
     accuracy: float | None
     tune_budget_s: float
+    tune_target: str
+    tune_batch_size: int | None  # tune_target="throughput": the batch the candidates are timed at
     remeasure: bool
     # derived
     mode: Mode
@@ -118,6 +121,8 @@ def check_options(
     tune: bool,
     accuracy: float | None,
     tune_budget_s: float,
+    tune_target: str,
+    tune_batch_size: int | None,
     remeasure: bool,
 ) -> tuple[nn.Module, Any, Options]:
     """The module to optimize (the one inside DataParallel/DDP, or an optimized module's graph), the example inputs as
@@ -186,12 +191,14 @@ def check_options(
     resolved_shapes = dynamic.resolve(dynamic_shapes, dynamic_batch)
     strict = _check_verify(verify)
     tune_accuracy = _check_tuning(accuracy, tune_budget_s, precision) if tune else None
-    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision, calibration)
+    _check_tune_target(tune, tune_target, tune_batch_size, example_inputs, resolved_shapes)
+    generation = generation_model(model) and _check_generation(model, resolved_mode, info, precision, calibration, tune_target)
     options = Options(
         mode_given=mode, passes=passes, disable=disable, frontend=frontend, dynamic_shapes=resolved_shapes, verify=verify,
         memory_format=memory_format, keep_channels_last_outputs=keep_channels_last_outputs, precision=precision,
         low_precision_ops=low_precision_ops, fp32_ops=fp32_ops, calibration=calibration, fuse=fuse, engine=engine, device=device,
-        tune=tune, accuracy=accuracy, tune_budget_s=tune_budget_s, remeasure=remeasure, mode=resolved_mode, info=info, int8=int8,
+        tune=tune, accuracy=accuracy, tune_budget_s=tune_budget_s, tune_target=tune_target, tune_batch_size=tune_batch_size, remeasure=remeasure,
+        mode=resolved_mode, info=info, int8=int8,
         int8_accuracy=int8_accuracy, low_dtype=low_dtype, graph_dtype=graph_dtype, low_ops=low_ops, kept_ops=kept_ops,
         measure=measure, pass_infos=pass_infos, strict=strict, tune_accuracy=tune_accuracy, generation=generation,
     )  # fmt: skip
@@ -278,7 +285,38 @@ def _check_tuning(accuracy: float | None, budget_s: float, precision: str) -> fl
     return float(accuracy)
 
 
-def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str, calibration: Any) -> bool:
+def _check_tune_target(tune: bool, target: str, batch: Any, example_inputs: Any, dynamic_shapes: Any) -> None:
+    """Refuse a ``tune_target``/``tune_batch_size`` pair tune cannot time: an unknown target, either without what it
+    needs, a batch that is not a positive int, or one other than the example's where every size is fixed."""
+    if target not in TUNE_TARGETS:
+        raise InvalidOptionError(f"unknown tune_target {target!r}: use one of {', '.join(map(repr, TUNE_TARGETS))}")
+    if target == "throughput" and not tune:
+        raise InvalidOptionError("tune_target='throughput' says what tune=True ranks candidates by: pass tune=True too, or leave tune_target out")
+    if target != "throughput":
+        if batch is not None:
+            raise InvalidOptionError(
+                f"tune_batch_size={batch!r} is the batch tune_target='throughput' times the candidates at: pass tune=True, tune_target='throughput' "
+                "too, or leave tune_batch_size out (latency is timed on the example inputs)"
+            )
+        return
+    if batch is None:
+        raise InvalidOptionError("tune_target='throughput' times each candidate at the batch size you serve: give that size, e.g. tune_batch_size=32")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidOptionError(f"tune_batch_size={batch!r}: give the number of samples per call to time the candidates at, an int >= 1, e.g. 32")
+    example = dynamic.batch_size(example_inputs)
+    if example is None:
+        raise InvalidOptionError(
+            "tune_target='throughput' times each candidate at tune_batch_size rows of the inputs' batch dimension (dim 0), and no example "
+            "input is a tensor with one: leave tune_target out to tune for latency"
+        )
+    if batch != example and dynamic_shapes is None:
+        raise InvalidOptionError(
+            f"tune_batch_size={batch} differs from the example's batch {example}, and every size is fixed (dynamic_shapes=None or dynamic_batch=False), "
+            f"so no candidate would accept it: give example inputs of batch {batch}, or let the batch vary (dynamic_shapes='batch', or leave it out)"
+        )
+
+
+def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision: str, calibration: Any, tune_target: str) -> bool:
     """A causal language model with its cache on gets generate() (True); what generation does not do yet is refused."""
     check_generation_model(model, training=mode == "training")
     *others, last = [repr(engine.name) for engine in ENGINES.values() if engine.generates]
@@ -294,6 +332,7 @@ def _check_generation(model: nn.Module, mode: Mode, info: EngineInfo, precision:
                 info.generates and precision not in info.generation_precisions,
             ),
             ("calibration= (int8 generation compresses the weights alone, without calibration data)", calibration is not None),
+            ("tune_target='throughput' (tune=True times generate() per new token, at the example prompt's batch)", tune_target == "throughput"),
         )
         if given
     ]

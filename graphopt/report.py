@@ -168,7 +168,7 @@ class TuneCandidate:
     name: str
     options: dict[str, Any]
     status: str = "built"  # then "measured", "over budget", "failed"; or "not built"
-    seconds: float | None = None  # median latency on the example inputs
+    seconds: float | None = None  # median seconds per call on the example inputs (throughput: at the report's batch_size)
     max_error: float | None = None  # relative to the output's scale, against the original model
     build_seconds: float | None = None
     reason: str = ""
@@ -185,15 +185,25 @@ class TuneReport:
     cache: str = "miss"  # "hit": the choice came from the cache, nothing was measured; "rejected": the cached one was not within accuracy here
     seconds: float = 0.0
     ranking: Ranking | None = None  # how the accurate candidates were timed, and how clearly the winner won (None: from the cache)
+    batch_size: int | None = None  # tune_target="throughput": the batch every candidate was timed at (None: latency, on the example)
+
+    @property
+    def target(self) -> str:
+        """What the candidates were ranked by: ``"latency"`` or ``"throughput"`` (optimize's ``tune_target``)."""
+        return "latency" if self.batch_size is None else "throughput"
 
     def lines(self) -> list[str]:
         source = "from the cache, not measured again" if self.cache == "hit" else f"tuned in {self.seconds:.1f}s"
-        lines = [f"tune: {self.winner} ({source}): {self.why}"]
+        target = "" if self.batch_size is None else f" for throughput at batch {self.batch_size}"
+        lines = [f"tune{target}: {self.winner} ({source}): {self.why}"]
         if self.ranking is not None and self.ranking.concern():
             lines.append(f"    {self.ranking.verdict.upper()}: {self.ranking.concern()}")
         for candidate in self.candidates:
             if candidate.status == "measured" and candidate.seconds is not None:
-                result = f"{candidate.seconds * 1e3:.2f} ms, " + ("error not measured" if candidate.max_error is None else f"error {candidate.max_error:.1e}")
+                time = f"{candidate.seconds * 1e3:.2f} ms"
+                if self.batch_size is not None:
+                    time = f"{self.batch_size / candidate.seconds:.1f} samples/s ({time} per call)"
+                result = f"{time}, " + ("error not measured" if candidate.max_error is None else f"error {candidate.max_error:.1e}")
             else:
                 result = f"{candidate.status}: {candidate.reason}"
             lines.append(f"    {'*' if candidate.name == self.winner else ' '} {candidate.name}: {result}")

@@ -24,11 +24,18 @@ inputs, on the target device:
    cached). The captured graph with no passes is always a candidate, so the result is
    never slower than eager beyond measurement noise.
 
+``tune_target="throughput"`` (``tune``'s ``batch_size``, optimize's ``tune_batch_size``): the candidates are built
+and verified on the example inputs as always, then run and timed on `graphopt.inputs.at_batch_size`'s, the example's
+rows repeated to that batch in the batch dimension. A candidate that refuses that batch (its batch dimension fixed:
+torch.export specialised it, or verification could not vary it) fails with the reason, so the module returned always
+runs at it; where none accepts it, `InvalidOptionError`. Every candidate runs the same batch, so the fastest call is
+the most samples per second, which the report gives (``report.tune.batch_size``, ``report.tune.target``).
+
 ``tune_budget_s`` bounds the work beyond each precision class's first candidate on each engine
 (always built, the float classes before int8: `candidates`): the others are built likeliest winner
 first until half the budget is spent, and graphopt's own compiling candidates (``fuse=``) only when
 the budget allows them; what was left out is listed with the reason. Results are
-cached per (model structure, input shapes and dtypes, device, options, candidates and
+cached per (model structure, input shapes and dtypes, device, options, the target and its batch, candidates and
 their pass lists) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
 ``~/.cache/graphopt``), so a second call builds the winner without measuring. The key leaves
 the weights out (they do not change which candidate is fastest), but they can change a
@@ -52,7 +59,8 @@ import torch.nn as nn
 
 from graphopt import archive_metadata, progress
 from graphopt.backends import EngineInfo
-from graphopt.errors import GraphoptError, error_summary
+from graphopt.errors import GraphoptError, InputMismatchError, InvalidOptionError, error_summary
+from graphopt.inputs import at_batch_size
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import Report, TuneCandidate, TuneReport
 from graphopt.timing import Ranking, rank_latencies, remeasure_requested
@@ -255,9 +263,12 @@ def tune(
     emulated: Mapping[str, str] | None = None,
     int8: bool = False,
     engines: Sequence[EngineInfo] = (),
+    batch_size: int | None = None,
 ) -> Any:
-    """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``."""
+    """The fastest candidate `build(**options)` (an `OptimizedModule`) whose error is within ``accuracy``: by latency on
+    ``args``, or with ``batch_size`` by throughput at that batch (`at_batch_size`: a candidate that refuses it fails)."""
     todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated, int8, engines)
+    timed = args if batch_size is None else at_batch_size(args, batch_size)
     # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
     considered = [(candidate.name, candidate.options) for candidate in todo]
     key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})
@@ -266,10 +277,11 @@ def tune(
     rejected = None  # the cached choice, where this model's weights put it over accuracy (or it fails to build)
     if hit is not None:
         row = TuneCandidate(hit["winner"], hit["winner_options"])
-        module, failure = _build(build, row, args, accuracy)
+        module, failure = _build(build, row, timed, accuracy)
         if module is not None:
             why = f"{hit['why']}; verified on this model: {_error_text(row.max_error)}"
-            module.graphopt_report.tune = TuneReport(hit["winner"], why, [TuneCandidate(**entry) for entry in hit["candidates"]], accuracy, cache="hit", seconds=0.0)
+            listed = [TuneCandidate(**entry) for entry in hit["candidates"]]
+            module.graphopt_report.tune = TuneReport(hit["winner"], why, listed, accuracy, cache="hit", seconds=0.0, batch_size=batch_size)
             return module
         rejected = row  # stands for its candidate below: built once is enough
         if failure is not None:
@@ -285,23 +297,24 @@ def tune(
         if modules and not candidate.required and clock() - started > budget_s / 2:  # keep half the budget for timing
             row.status, row.reason = "not built", f"tune_budget_s={budget_s:.0f} spent on the candidates before it"
             continue
-        module, failure = _build(build, row, args, accuracy)
+        module, failure = _build(build, row, timed, accuracy)
         if failure is not None:
             failures.append(failure)
         if module is not None:
             modules[candidate.name] = module
     if not modules:  # nothing to time: the first candidate's own error says why (the graph with no passes failed too)
-        _nothing_built(failures, rows, "candidate")
+        _nothing_built(failures, rows, "candidate", batch_size)
     remaining = max(budget_s - (clock() - started), 0.0)
-    runs = {name: (lambda module=module: module(*args)) for name, module in modules.items()}
+    runs = {name: (lambda module=module: module(*timed)) for name, module in modules.items()}
     ranking = measure_latencies(runs, budget_s=remaining)
     for row in rows:
         if row.name in ranking.medians:
             row.status, row.seconds = "measured", ranking.medians[row.name]
     winner = ranking.winner
-    why = _why(ranking, rows, accuracy)
+    why = _why(ranking, rows, accuracy, batch_size)
     shown = why if rejected is None else f"the cached choice {rejected.name} was rejected on this model ({rejected.status}: {rejected.reason}), so tune measured again; {why}"
-    report = TuneReport(winner, shown, rows, accuracy, cache="miss" if rejected is None else "rejected", seconds=clock() - started, ranking=ranking)
+    cache = "miss" if rejected is None else "rejected"
+    report = TuneReport(winner, shown, rows, accuracy, cache=cache, seconds=clock() - started, ranking=ranking, batch_size=batch_size)
     chosen = modules[winner]
     chosen.graphopt_report.tune = report
     if ranking.verdict != "disturbed":  # a choice timed while other processes held the CPU is made again next time
@@ -309,9 +322,15 @@ def tune(
     return chosen
 
 
-def _nothing_built(failures: list[Exception], rows: list[TuneCandidate], what: str) -> NoReturn:
-    """Raise why no candidate was built: the first candidate's own `GraphoptError`, else one listing every candidate."""
+def _nothing_built(failures: list[Exception], rows: list[TuneCandidate], what: str, batch_size: int | None = None) -> NoReturn:
+    """Raise why no candidate was built: the first candidate's own `GraphoptError` (with ``batch_size``, where the
+    candidates refused that batch, an `InvalidOptionError` saying so), else one listing every candidate."""
     first = next((error for error in failures if isinstance(error, GraphoptError)), failures[0] if failures else None)
+    if batch_size is not None and isinstance(first, InputMismatchError):
+        raise InvalidOptionError(
+            f"tune_target='throughput' times each candidate at tune_batch_size={batch_size}, and none accepts that batch ({first}): "
+            f"give example inputs of batch {batch_size}, or leave tune_target out to tune for latency"
+        ) from first
     if isinstance(first, GraphoptError):
         raise first
     raise GraphoptError(f"tune=True built no {what} ({'; '.join(f'{row.name}: {row.reason}' for row in rows)}): optimize without tune=True to see the error") from first
@@ -345,11 +364,15 @@ def _build(build: Callable[..., Any], row: TuneCandidate, args: tuple[Any, ...],
     return module, None
 
 
-def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float) -> str:
+def _why(ranking: Ranking, rows: list[TuneCandidate], accuracy: float, batch_size: int | None) -> str:
     latencies, winner = ranking.medians, ranking.winner
     baseline = latencies.get("captured graph, no passes", latencies[winner])
     error = next(row.max_error for row in rows if row.name == winner)
-    text = f"fastest of {len(latencies)} accurate candidates: {latencies[winner] * 1e3:.2f} ms, {baseline / latencies[winner]:.2f}x the graph with no passes"
+    if batch_size is None:
+        text = f"fastest of {len(latencies)} accurate candidates: {latencies[winner] * 1e3:.2f} ms"
+    else:  # every candidate ran the same batch: the fastest call is the most samples per second
+        text = f"highest throughput of {len(latencies)} accurate candidates at batch {batch_size}: {batch_size / latencies[winner]:.1f} samples/s ({latencies[winner] * 1e3:.2f} ms per call)"
+    text += f", {baseline / latencies[winner]:.2f}x the graph with no passes"
     if ranking.runner_up is not None:
         text += f"; next {ranking.runner_up} at {latencies[ranking.runner_up] * 1e3:.2f} ms"
     text += f"; timed {ranking.describe()}"

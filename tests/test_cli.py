@@ -690,3 +690,18 @@ def test_a_torchvision_model_that_fails_to_import_says_which_build_to_install(mo
     assert f"torchvision==0.{int(minor) + 15}.*" in str(raised.value) and "graphopt.models.anchors" in str(raised.value)
     with pytest.raises(cli_arguments.UsageError, match="is it on PYTHONPATH"):
         cli_arguments.load_factory("my_models:resnet50")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["--tune-target", "throughput", "--tune-batch-size", "8"], "--tune-target throughput says what --tune ranks candidates by: pass --tune too"),
+        (["--tune", "--tune-target", "throughput"], "give that size, e.g. --tune-batch-size 32"),
+        (["--tune", "--tune-batch-size", "8"], "--tune-batch-size 8 is the batch --tune-target throughput times the candidates at"),
+        (["--tune", "--tune-target", "throughput", "--tune-batch-size", "0"], "--tune-batch-size 0: give the number of samples per call"),
+        (["--tune", "--tune-target", "throughput", "--tune-batch-size", "8", "--dynamic-shapes", "none"], "every size is fixed (--dynamic-shapes none or dynamic_batch=False)"),
+    ],
+)
+def test_tune_target_errors_are_in_the_command_line_s_words(capsys: pytest.CaptureFixture[str], arguments: list[str], fragment: str) -> None:
+    code, out, err = run(capsys, "optimize", TINY_CNN, "--input", TINY_INPUT, *arguments)
+    assert code == 2 and out == "" and fragment in err, err

@@ -417,3 +417,123 @@ def test_explicit_options_rule_int8_out_with_the_reason(monkeypatch: pytest.Monk
     assert left_out.status == "not built" and left_out.reason == "explicit memory_format= rules int8 out"
     with pytest.raises(InvalidOptionError, match="tune=True chooses the precision itself"):
         graphopt.optimize(model, inputs, tune=True, precision="int8", calibration=[inputs[0]])
+
+
+class BatchRecordingTimer(FakeTimer):
+    """A `FakeTimer` that also records the batch size (the first dimension of the output) each run computed."""
+
+    def __init__(self, latencies: Mapping[str, float]) -> None:
+        super().__init__(latencies)
+        self.batches: set[int] = set()
+
+    def __call__(self, runs: Mapping[str, Callable[[], Any]], **settings: Any) -> timing.Ranking:
+        self.batches |= {run().shape[0] for run in runs.values()}
+        return super().__call__(runs, **settings)
+
+
+def throughput(batch: int, **options: Any) -> dict[str, Any]:
+    return {"tune": True, "tune_target": "throughput", "tune_batch_size": batch, **options}
+
+
+def test_throughput_times_every_candidate_at_the_given_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = BatchRecordingTimer({"fp32 preserve": 4e-3, "fp32 channels_last": 6e-3, "captured graph, no passes": 9e-3})
+    monkeypatch.setattr(tuning, "measure_latencies", timer)
+    use_clock(monkeypatch)
+    model, inputs = resnet()  # batch 2
+    tuned = graphopt.optimize(model, inputs, **throughput(5))
+    report = tuned.graphopt_report
+    assert timer.batches == {5} and len(timer.measured) == 1  # every candidate timed at batch 5, none at the example's
+    assert report.tune.winner == "fp32 preserve"  # the stub's fastest call at that batch: the most samples per second
+    assert (report.tune.target, report.tune.batch_size) == ("throughput", 5)
+    assert "tune for throughput at batch 5: fp32 preserve (tuned in" in str(report)
+    assert "highest throughput of" in report.tune.why and "at batch 5: 1250.0 samples/s (4.00 ms per call)" in report.tune.why
+    assert "captured graph, no passes: 555.6 samples/s (9.00 ms per call), error" in str(report)
+    assert graphopt.Report.from_dict(report.to_dict()).tune.batch_size == 5
+    at_five = (inputs[0].repeat(3, 1, 1, 1)[:5],)
+    torch.testing.assert_close(tuned(*at_five), model(*at_five), rtol=1e-4, atol=1e-5)
+
+
+def test_a_latency_choice_is_not_reused_for_throughput(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {"fp32 preserve": 1e-3})
+    model, x = TwoLinears().eval(), torch.randn(2, 8)
+    calls = [{"tune": True}, throughput(4), throughput(4), throughput(6), {"tune": True}]
+    caches = [graphopt.optimize(model, x, **options).graphopt_report.tune.cache for options in calls]
+    assert caches == ["miss", "miss", "hit", "miss", "hit"]  # each target and batch tuned once, on the same example
+    assert len(timer.measured) == 3
+    hit = graphopt.optimize(model, x, **throughput(4)).graphopt_report.tune
+    assert (hit.target, hit.batch_size) == ("throughput", 4) and "tune for throughput at batch 4: fp32 preserve (from the cache" in "\n".join(hit.lines())
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"tune_target": "speed", "tune": True}, "unknown tune_target 'speed': use one of 'latency', 'throughput'"),
+        ({"tune_target": "throughput", "tune_batch_size": 4}, "pass tune=True too, or leave tune_target out"),
+        ({"tune": True, "tune_target": "throughput"}, "give that size, e.g. tune_batch_size=32"),
+        ({"tune": True, "tune_batch_size": 4}, "tune_batch_size=4 is the batch tune_target='throughput' times the candidates at"),
+        ({"tune_batch_size": 4}, "tune_batch_size=4 is the batch tune_target='throughput' times the candidates at"),
+        (throughput(0), "tune_batch_size=0: give the number of samples per call"),
+        (throughput(2.5), "tune_batch_size=2.5: give the number of samples per call"),
+        (throughput(True), "tune_batch_size=True: give the number of samples per call"),
+        # every size fixed: no candidate could run at another batch than the example's
+        (throughput(4, dynamic_batch=False), "tune_batch_size=4 differs from the example's batch 2, and every size is fixed"),
+        (throughput(4, dynamic_shapes=None), "give example inputs of batch 4, or let the batch vary (dynamic_shapes='batch', or leave it out)"),
+    ],
+)
+def test_bad_throughput_options(options: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {})
+    model, inputs = resnet()
+    with pytest.raises(InvalidOptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        graphopt.optimize(model, inputs, **options)
+    assert timer.measured == []  # refused before any candidate was built
+
+
+class PairedRows(nn.Module):
+    """Reads its batch as exactly two rows of 8: the batch dimension stays fixed at 2 in every candidate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + x.reshape(16).sum()
+
+
+def test_a_batch_the_model_fixes_is_refused_unless_it_is_the_example_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = BatchRecordingTimer({})
+    monkeypatch.setattr(tuning, "measure_latencies", timer)
+    x = torch.randn(2, 8)
+    with pytest.raises(InvalidOptionError, match=r"tune_batch_size=4, and none accepts that batch \(x has shape \[4, 8\].*give example inputs of batch 4"):
+        graphopt.optimize(PairedRows().eval(), x, **throughput(4))
+    assert timer.measured == []
+    report = graphopt.optimize(PairedRows().eval(), x, **throughput(2)).graphopt_report  # the example's own batch needs no other
+    assert report.tune.batch_size == 2 and timer.batches == {2}
+
+
+def test_a_candidate_that_refuses_the_batch_never_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = use_timer(monkeypatch, {"fp32 preserve + oneDNN": 1e-4})  # would win, but its batch is fixed at the example's
+    use_clock(monkeypatch)  # the builds take no time: the budget cut leaves none out
+    original = graphopt.api.build_candidate
+
+    def fixed_onednn(model: nn.Module, example_inputs: Any, shared: Any, **options: Any) -> graphopt.OptimizedModule:
+        if options.get("passes"):
+            options["dynamic_shapes"] = None
+        return original(model, example_inputs, shared, **options)
+
+    monkeypatch.setattr(graphopt.api, "build_candidate", fixed_onednn)
+    model = TwoLinears().eval()
+    tuned = graphopt.optimize(model, torch.randn(2, 8), **throughput(3))
+    report = tuned.graphopt_report.tune
+    ((name, reason),) = [(c.name, c.reason) for c in report.candidates if c.status == "failed"]
+    assert name == "fp32 preserve + oneDNN" and reason.startswith("InputMismatchError: x has shape [3, 8]")
+    assert report.winner != name and name not in timer.measured[0]
+    at_three = torch.randn(3, 8)
+    torch.testing.assert_close(tuned(at_three), model(at_three), rtol=1e-4, atol=1e-5)
+
+
+def test_throughput_is_refused_for_generate() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with pytest.raises(InvalidOptionError, match=r"does not take tune_target='throughput' \(tune=True times generate\(\) per new token"):
+        graphopt.optimize(model, torch.randint(1, 50, (2, 8)), **throughput(8))
