@@ -110,6 +110,8 @@ def candidates(
     spent on int8 never leaves a float class unbuilt (nor the reverse). Then the rest, likeliest
     winner first (channels_last before preserve, oneDNN kernels before the same without them),
     until half the budget is spent: on large models the cut drops the least promising ones.
+    Candidates that compile (an engine that does, as Inductor; graphopt's own ``fuse=``) are
+    among the rest, and only with a budget of `COMPILE_BUDGET_S` or more.
     ``onednn``: the model runs inference on a CPU with oneDNN, so each precision also gets
     a candidate with the CPU-kernel passes (`graphopt.pipeline.cpu_kernel_passes`: oneDNN's fused,
     prepacked conv/linear kernels). ``emulated``: low precisions this device only emulates,
@@ -142,6 +144,9 @@ def candidates(
     left_out += engines_left_out
     if "engine" in fixed:  # only that engine is tuned: each of its precisions is a class of its own
         return [replace(candidate, required=True) for candidate in engine_floats + engine_int8s], left_out
+    # an engine that compiles (Inductor: minutes on large models) is one of the costlier candidates, as fuse= is
+    compiling = [candidate for candidate in engine_floats if _compiles(candidate, engines)]
+    engine_floats = [candidate for candidate in engine_floats if candidate not in compiling]
     first = [Candidate("captured graph, no passes", {"passes": [], "memory_format": "preserve"}, required=True)] if "passes" not in fixed else []
     first += engine_floats
     if not fixed:
@@ -172,12 +177,17 @@ def candidates(
         if fuse is None:
             continue
         for layout in layouts[-1:]:
-            candidate = Candidate(f"{best_precision} {layout} + fuse={fuse}", {"precision": best_precision, "memory_format": layout, "fuse": fuse})
-            if budget_s < COMPILE_BUDGET_S and "fuse" not in fixed:
-                left_out.append(TuneCandidate(candidate.name, candidate.options, status="not built", reason=f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"))
-            else:
-                rest.append(candidate)
+            compiling.append(Candidate(f"{best_precision} {layout} + fuse={fuse}", {"precision": best_precision, "memory_format": layout, "fuse": fuse}))
+    for candidate in compiling:
+        if budget_s < COMPILE_BUDGET_S and "fuse" not in fixed:
+            left_out.append(TuneCandidate(candidate.name, candidate.options, status="not built", reason=f"compiles: needs tune_budget_s >= {COMPILE_BUDGET_S:.0f}"))
+        else:
+            rest.append(replace(candidate, required=False))
     return first + rest, left_out
+
+
+def _compiles(candidate: Candidate, engines: Sequence[EngineInfo]) -> bool:
+    return any(info.compiles and info.name == candidate.options.get("engine") for info in engines)
 
 
 def _engine_candidates(

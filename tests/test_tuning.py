@@ -325,6 +325,14 @@ def test_each_engine_gets_each_precision_class_before_any_other_candidate() -> N
         "openvino int8", "onnxruntime int8", "int8 channels_last",
     ]  # fmt: skip
     assert [candidate.name for candidate in todo][: len(first)] == first  # before every other candidate
+    # an engine that compiles is among the rest, as graphopt's own fuse= candidates, and only with the budget for it
+    todo, left_out = tuning.candidates(resnet()[0], {}, 5e-2, ["bf16"], 60.0, onednn=True, int8=True, engines=[*engines, ENGINES["inductor"]])
+    assert [candidate.name for candidate in todo if candidate.required] == first
+    assert {row.name: row.reason for row in left_out if row.name.startswith("inductor")} == {
+        "inductor bf16": "compiles: needs tune_budget_s >= 120", "inductor fp32": "compiles: needs tune_budget_s >= 120",
+    }  # fmt: skip
+    todo, _ = tuning.candidates(resnet()[0], {}, 5e-2, ["bf16"], 120.0, onednn=True, int8=True, engines=[*engines, ENGINES["inductor"]])
+    assert [(candidate.name, candidate.required) for candidate in todo if candidate.name.startswith("inductor")] == [("inductor bf16", False), ("inductor fp32", False)]
     fixed, _ = tuning.candidates(resnet()[0], {"engine": "openvino"}, 5e-2, ["bf16"], 60.0, int8=True, engines=engines)
     assert [(candidate.name, candidate.required) for candidate in fixed] == [("openvino bf16", True), ("openvino fp32", True), ("openvino int8", True)]
 
