@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from graphopt import dynamic, generation, generation_build, timing, tuning
+from graphopt import dynamic, generation, generation_build, tuning
 from graphopt.backends import DEFAULT_ENGINE, ENGINES, EngineInfo
 from graphopt.capture import one_at_a_time
 from graphopt.device import device_types
@@ -258,12 +258,11 @@ def _tuned_generation(model: nn.Module, example_inputs: Any, options: Options) -
 
     assert options.tune_accuracy is not None
     candidates = tuning.generation_candidates(engines, options.tune_accuracy, options.fixed_by_caller().get("precision"))
-    # the choice depends on the candidates, the engines' versions and the CPU besides what tune's key holds; remeasure= only
+    # the choice depends on the candidates and the engines' versions besides what tune's key holds; remeasure= only
     # decides whether a remembered choice is used, so a choice made again is remembered under the same key
     settings = {
         **options.shared_by_candidates(), "remeasure": None, **options.fixed_by_caller(), "budget_s": options.tune_budget_s,
         "generate": [(info.name, precision) for info, precision in candidates], "versions": {info.name: info.version() for info in engines},
-        "cpu": timing.cpu_signature(),
     }  # fmt: skip
     key = tuning.cache_key(model, (ids, mask), {**settings, "accuracy": options.tune_accuracy})
     generator, report = tuning.tune_generation(build, candidates, decoding, options.tune_accuracy, options.tune_budget_s, key, options.remeasure)

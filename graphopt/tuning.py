@@ -36,7 +36,7 @@ the most samples per second, which the report gives (``report.tune.batch_size``,
 first until half the budget is spent, and graphopt's own compiling candidates (``fuse=``) only when
 the budget allows them; what was left out is listed with the reason. Results are
 cached per (model structure, input shapes and dtypes, device, options, the target and its batch, candidates and
-their pass lists) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
+their pass lists, torch's, graphopt's and each engine's versions, the CPU model and its instruction sets) in this process and in ``$GRAPHOPT_CACHE_DIR/tune.json`` (default
 ``~/.cache/graphopt``), so a second call builds the winner without measuring. The key leaves
 the weights out (they do not change which candidate is fastest), but they can change a
 candidate's error: the cached choice is verified against ``accuracy`` like a fresh candidate,
@@ -63,7 +63,7 @@ from graphopt.errors import GraphoptError, InputMismatchError, InvalidOptionErro
 from graphopt.inputs import at_batch_size
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import Report, TuneCandidate, TuneReport
-from graphopt.timing import Ranking, rank_latencies, remeasure_requested
+from graphopt.timing import Ranking, cpu_signature, rank_latencies, remeasure_requested
 from graphopt.verify import tolerance_for
 
 # A low precision is a candidate only when the accuracy budget admits its documented error bound.
@@ -223,11 +223,14 @@ def _engine_candidates(
 
 def cache_key(model: nn.Module, args: tuple[Any, ...], settings: Mapping[str, Any]) -> str:
     """What the tuned choice depends on: the model's structure and weights' shapes, the inputs, the device, the options,
-    torch's and graphopt's versions."""
+    torch's and graphopt's versions and the CPU (`graphopt.timing.cpu_signature`: a choice timed on another CPU model, or
+    another instruction set, is made again)."""
     structure = [(name, type(module).__qualname__) for name, module in model.named_modules()]
     tensors = [(name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)]
     inputs = [(tuple(a.shape), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a) for a in args]
-    text = json.dumps([type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__, archive_metadata.GRAPHOPT_VERSION])
+    text = json.dumps(
+        [type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__, archive_metadata.GRAPHOPT_VERSION, cpu_signature()]
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -279,9 +282,11 @@ def tune(
     ``args``, or with ``batch_size`` by throughput at that batch (`at_batch_size`: a candidate that refuses it fails)."""
     todo, rows = candidates(model, fixed, accuracy, low_precisions, budget_s, onednn, emulated, int8, engines)
     timed = args if batch_size is None else at_batch_size(args, batch_size)
-    # the candidates (with their pass lists) are part of the key: another graphopt's choice is not reused
+    # the candidates (with their pass lists) and the engines' versions are part of the key: a choice another graphopt
+    # made, or made among other engines' builds, is not reused
     considered = [(candidate.name, candidate.options) for candidate in todo]
-    key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered})
+    versions = {info.name: info.version() for info in engines}
+    key = cache_key(model, args, {**settings, **fixed, "accuracy": accuracy, "low": low_precisions, "candidates": considered, "versions": versions})
     hit = None if settings.get("remeasure") or remeasure_requested() else cached(key)  # remeasure=: tune again too
     failures: list[Exception] = []
     rejected = None  # the cached choice, where this model's weights put it over accuracy (or it fails to build)

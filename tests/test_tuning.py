@@ -181,6 +181,23 @@ def test_a_cache_hit_skips_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(timer.measured) == 2
 
 
+
+def test_a_cached_choice_is_made_again_on_another_cpu_or_engine_version(monkeypatch: pytest.MonkeyPatch, with_engines: None) -> None:
+    timer = use_timer(monkeypatch, {})
+    monkeypatch.setattr(graphopt.api, "ENGINES", {name: info for name, info in ENGINES.items() if name != "inductor"})  # compiles: not needed here
+    model, inputs = resnet()
+    graphopt.optimize(model, inputs, tune=True)
+    graphopt.optimize(model, inputs, tune=True)
+    assert len(timer.measured) == 1  # remembered
+    monkeypatch.setattr(tuning, "cpu_signature", lambda: ["model name: another CPU"])
+    graphopt.optimize(model, inputs, tune=True)
+    assert len(timer.measured) == 2
+    original = type(ENGINES["openvino"]).version
+    monkeypatch.setattr(type(ENGINES["openvino"]), "version", lambda info: original(info) + ".1" if info.name == "openvino" else original(info))
+    graphopt.optimize(model, inputs, tune=True)
+    assert len(timer.measured) == 3
+
+
 def test_onednn_kernels_are_a_candidate_on_cpu_inference(monkeypatch: pytest.MonkeyPatch) -> None:
     use_timer(monkeypatch, {"fp32 channels_last + oneDNN": 1e-3})
     model, inputs = resnet()
