@@ -24,6 +24,7 @@ import graphopt
 from graphopt.backends import openvino_engine
 from graphopt.errors import EngineError
 from graphopt.models.anchors import VisionTransformer
+from tests.conftest import measured_as
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,6 +64,29 @@ def test_the_examples_shapes_run_static_and_other_sizes_dynamic() -> None:
     # each request keeps its last outputs: the example's batch ran on the static model, the other batch on the dynamic one
     assert example_request.get_output_tensor(0).shape[0] == 2
     assert other_sizes_request.get_output_tensor(0).shape[0] == 3
+
+@pytest.mark.parametrize("static_slower", [False, True])
+def test_the_examples_shapes_run_dynamic_where_compiled_for_them_they_measure_slower(static_slower: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    timed = []
+
+    def compare(baseline: Any, candidate: Any, budget_s: float) -> Any:
+        timed.append((baseline(), candidate()))  # both requests really run on the example's shapes
+        return measured_as(1e-3, 2e-3 if static_slower else 0.9e-3)
+
+    monkeypatch.setattr(openvino_engine, "compare_latency", compare)
+    model, x = small_vit()
+    optimized = graphopt.optimize(model, x, engine="openvino")
+    runner = optimized.runner
+    assert len(timed) == 1
+    assert (runner.example_compiled is runner.other_sizes_compiled) is static_slower
+    (note,) = optimized.graphopt_report.engine.notes
+    if static_slower:
+        assert note.startswith("the example's shapes run on the dynamic model: compiled for them it measured slower (2.00 ms compiled")
+    else:
+        assert note.startswith("the example's shapes run on a model compiled for them (0.90 ms") and note.endswith("kept unless clearly slower)")
+    with torch.no_grad():
+        assert graphopt.verify.compare(model(x), optimized(x)).max_error <= 1e-4
+
 
 @pytest.mark.skipif("BF16" not in openvino_engine.core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"), reason="this CPU has no native bf16")
 def test_bf16_computes_in_bf16_within_its_tolerance() -> None:
