@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -196,14 +197,21 @@ def run_stages(model: nn.Module, example_inputs: Any, options: Options, shared: 
     its engine candidates share."""
     if options.generation:
         return _with_generation(model, example_inputs, options, shared)
+    started = time.perf_counter()
     workspace = prepare(model, example_inputs, options)
     # forward() runs many times below (reference, capture, checks): what it writes outside the call (globals,
     # closures) is put back; the copy's own attributes are graphopt's, and some passes change them (pad_channels)
     with preserved_user_objects(workspace.owned, module_attributes=False):
+        stage_started = time.perf_counter()
         capture = capture_model(workspace, options, shared)
+        captured = time.perf_counter()
         rewritten = rewrite(workspace, capture, options, shared)
+        rewritten_at = time.perf_counter()
         runtime = build_runtime(workspace, capture, rewritten, options, shared)
+        built = time.perf_counter()
         optimized = assemble(workspace, capture, rewritten, runtime, options)
+    stages = {"capture": captured - stage_started, "passes": rewritten_at - captured, "runtime": built - rewritten_at}
+    optimized.graphopt_report.stage_seconds = {**stages, "other": time.perf_counter() - started - sum(stages.values())}
     if options.int8 and options.info.own_passes and options.passes is None and not int8_modules(optimized):
         return _float_instead_of_int8(model, example_inputs, options, optimized.graphopt_report)
     return optimized

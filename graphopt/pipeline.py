@@ -370,14 +370,13 @@ def run_passes(
     gradient_error = None  # no pass has compared gradients yet
     compute_dtype = None  # set once a pass lowers precision: later checks use its tolerance
     for info in progress.steps(infos, "passes", lambda info: info.name):
+        started = time.perf_counter()
         before = list(gm.graph.nodes)
         before_changes = {node: NodeChange.of(node) for node in before}
         before_nodes = snapshot(gm.graph)
         undo_copy = copy.deepcopy(gm) if info.measured and ctx.measure else None
-        started = time.perf_counter()
         result = info.function(gm, ctx)
         report = result.report
-        report.seconds = time.perf_counter() - started
         gm = result.graph_module
         try:
             gm.graph.lint()
@@ -405,12 +404,13 @@ def run_passes(
                 measurement = measurement.anchored_to(latency)
             if measurement.slower:
                 gm = undo_copy
-                report = PassReport(info.name, seconds=report.seconds, max_error=error if verifier is not None else None, gradient_error=gradient_error)
+                report = PassReport(info.name, max_error=error if verifier is not None else None, gradient_error=gradient_error)
             report.notes.append(_decision_note(measurement, cached))
             report.measurement, report.measurement_cached = measurement, cached
             latency = measurement.baseline_s if measurement.slower else measurement.candidate_s
         elif result.modified:
             latency = None
+        report.seconds = time.perf_counter() - started  # the pass's whole cost: rewriting, checks and timing
         error = report.max_error if report.max_error is not None else error
         gradient_error = report.gradient_error if report.gradient_error is not None else gradient_error
         reports.append(report)
