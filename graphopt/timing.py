@@ -12,13 +12,15 @@ one extreme ratio, not a shifted mean). Rounds go on until the decision is settl
 finite. Two rules decide on a `Comparison`: a candidate the caller's default leaves out (int8
 against float32) is taken only where `Comparison.faster` (the interval above the threshold); a
 candidate the default includes (a measured pass of the preset, a oneDNN kernel, the compiled decode
-step) stays unless `Comparison.slower` (the interval below 1), so that a measurement that stays
-within the noise, as under other processes' load, leaves the default and repeated runs agree. The
-interval is settled for both once it is above the threshold or below 1.
+step) stays unless `Comparison.slower` (the interval below the threshold's inverse: slower by more
+than the gain a candidate must show, 1/1.02 for a pass), so that a measurement that stays within the
+noise, as under other processes' load, leaves the default and repeated runs agree. The interval is
+settled for both (`Comparison.settled`) once it is above the threshold, below its inverse, or between
+the two (neither faster nor slower by the margin: a neutral pass stops after the fewest rounds).
 
 Every measurement also records how many cores other processes kept busy meanwhile (`ForeignLoad`:
 the system's busy CPU time minus this process's own, from psutil; unknown without it). The
-verdict: ``"clear"`` (the interval is above the threshold or below 1: settled), ``"close"`` (neither
+verdict: ``"clear"`` (the interval is settled), ``"close"`` (not
 when the budget is spent: the caller keeps its stated default) or ``"disturbed"`` (other processes
 kept more than `FOREIGN_LOAD_LIMIT` cores busy on average: the figures are flagged and a decision
 is not remembered, whatever the interval says).
@@ -169,6 +171,12 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     return ordered[cut - 1], ordered[count - cut]
 
 
+def _settled(low: float, high: float, threshold: float) -> bool:
+    """The interval [low, high] of a paired ratio is above ``threshold`` (clearly faster), below its inverse (clearly
+    slower by the same margin), or between the two (clearly neither): no rule's decision changes with more rounds."""
+    return low > threshold or high < 1.0 / threshold or (low >= 1.0 / threshold and high <= threshold)
+
+
 def _verdict(clear: bool, foreign_cores: float | None) -> Verdict:
     if foreign_cores is not None and foreign_cores > FOREIGN_LOAD_LIMIT:
         return "disturbed"
@@ -206,7 +214,7 @@ class Comparison:
         baseline_s, ratio = statistics.median(baseline), statistics.median(ratios)
         return cls(
             baseline_s, baseline_s / ratio if ratio > 0 else math.inf, ratio, low, high, threshold,
-            len(ratios), foreign_cores, _verdict(low > threshold or high < 1.0, foreign_cores),
+            len(ratios), foreign_cores, _verdict(_settled(low, high, threshold), foreign_cores),
         )  # fmt: skip
 
     @property
@@ -216,13 +224,19 @@ class Comparison:
 
     @property
     def slower(self) -> bool:
-        """The candidate is slower than the baseline, beyond the noise (the whole interval below 1).
+        """The candidate is slower than the baseline by more than the threshold's margin, beyond the noise (the whole
+        interval below 1 / threshold; below 1 with the default threshold of 1).
 
         A default that includes the candidate (a measured pass of the preset, a kernel a pass chose)
         keeps it unless this holds: a measurement within the noise, however loaded the machine,
         leaves the default's choice, so that repeated runs agree.
         """
-        return self.high < 1.0
+        return self.high < 1.0 / self.threshold
+
+    @property
+    def settled(self) -> bool:
+        """Neither rule's decision (`faster`, `slower`) can change with more rounds: see `_settled`."""
+        return _settled(self.low, self.high, self.threshold)
 
     @property
     def noise(self) -> float:
@@ -340,8 +354,9 @@ def compare_latency(
     """``baseline`` against ``candidate`` in paired rounds (A B, B A, ...) until the decision is settled.
 
     Stops as soon as the interval of the paired ratio is above ``threshold`` (how many times faster
-    the candidate must be to count as faster: `Comparison.faster`) or below 1 (`Comparison.slower`),
-    where neither rule's decision can change any more, or when ``budget_s`` is spent (at least
+    the candidate must be to count as faster: `Comparison.faster`), below its inverse
+    (`Comparison.slower`) or between the two (`Comparison.settled`), where neither rule's decision can
+    change any more, or when ``budget_s`` is spent (at least
     `MIN_ROUNDS` rounds: a long call may overrun it). A close result leaves the caller's default:
     without the candidate where it is taken only if faster, with it where it stays unless slower.
     """
@@ -410,8 +425,8 @@ def remembered(key: str) -> Comparison | None:
         comparison = Comparison(**entry)
     except TypeError:  # missing, or written by another graphopt version
         return None
-    # an entry from before "clear" meant settled (above the threshold or below 1) is measured again
-    return comparison if comparison.verdict == "clear" and (comparison.faster or comparison.slower) else None
+    # an entry written under another rule for "clear" is measured again
+    return comparison if comparison.verdict == "clear" and comparison.settled else None
 
 
 def remember(key: str, comparison: Comparison) -> None:
