@@ -57,13 +57,13 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
-from graphopt import archive_metadata, progress
+from graphopt import archive_metadata, progress, timing
 from graphopt.backends import EngineInfo
 from graphopt.errors import GraphoptError, InputMismatchError, InvalidOptionError, error_summary
 from graphopt.inputs import at_batch_size
 from graphopt.pipeline import cpu_kernel_passes
 from graphopt.report import Report, TuneCandidate, TuneReport
-from graphopt.timing import Ranking, cpu_signature, rank_latencies, remeasure_requested
+from graphopt.timing import Ranking, rank_latencies, remeasure_requested
 from graphopt.verify import tolerance_for
 
 # A low precision is a candidate only when the accuracy budget admits its documented error bound.
@@ -229,7 +229,7 @@ def cache_key(model: nn.Module, args: tuple[Any, ...], settings: Mapping[str, An
     tensors = [(name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)]
     inputs = [(tuple(a.shape), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a) for a in args]
     text = json.dumps(
-        [type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__, archive_metadata.GRAPHOPT_VERSION, cpu_signature()]
+        [type(model).__qualname__, structure, tensors, inputs, {k: repr(v) for k, v in sorted(settings.items())}, torch.__version__, archive_metadata.GRAPHOPT_VERSION, timing.cpu_signature()]
     )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -118,7 +118,8 @@ class OpenVINORunner(EngineRunner):
     def _static_or_dynamic(self) -> str:
         """Time the model compiled for the example's shapes against the dynamic one on the example's shapes (random
         values), and keep the dynamic one for them where the static one is clearly slower: the plugin chooses its
-        kernels by the shapes it knows, and on some CPUs and models (depthwise convolutions) not for the better.
+        kernels by the shapes it knows, and nothing guarantees the choice for fixed shapes is the faster one (the
+        suspected cause of OpenVINO through graphopt timing slower than used directly on Zen 4's depthwise models).
         Returns the report's line."""
         feeds = [_random_array(port, shape) for port, shape in zip(self.example_compiled.inputs, self.example_shapes, strict=True)]
         static, dynamic = self.infer_request(self.example_compiled), self.infer_request(self.other_sizes_compiled)
