@@ -3,8 +3,9 @@
 ``reference`` is graphopt's small reference models (`graphopt.models.REFERENCE_MODELS`);
 ``anchors`` the full-size models graphopt is measured against
 (`graphopt.models.ANCHOR_MODELS`, imported only when asked for). Any other entry of the
-comma-separated selection is a model name from either, or ``MODULE:FACTORY``, which the
-caller turns into a `BenchModel` (the command line builds it with ``--input`` shapes).
+comma-separated selection is a model name from either (``reference.NAME`` or ``anchors.NAME`` where both have it:
+``mobilenet_v2`` is a small 64x64 reference model and a full-size anchor, and the bare name is refused), or
+``MODULE:FACTORY``, which the caller turns into a `BenchModel` (the command line builds it with ``--input`` shapes).
 """
 
 from __future__ import annotations
@@ -46,23 +47,38 @@ def select_models(selection: str, batch: int, from_factory: Callable[[str], Benc
             models += [from_reference(reference, batch) for reference in anchor_models().values()]
         elif ":" in entry:
             models.append(from_factory(entry))
-        elif entry in REFERENCE_MODELS:
-            models.append(from_reference(REFERENCE_MODELS[entry], batch))
         else:
-            models.append(from_reference(_anchor_named(entry), batch))
+            models.append(from_reference(_model_named(entry), batch))
     if not models:
         raise InvalidOptionError("--models selects no model: give reference, anchors, model names or MODULE:FACTORY")
     return models
 
 
-def _anchor_named(name: str) -> ReferenceModel:
-    known = sorted(REFERENCE_MODELS)
+def _model_named(name: str) -> ReferenceModel:
+    """The reference or anchor model ``name`` names (``reference.NAME``, ``anchors.NAME`` or a name only one of them has)."""
     try:
         anchors = anchor_models()
     except InvalidOptionError:
         anchors = {}
-    if name in anchors:
+    group, _, short = name.rpartition(".")
+    if group in ("reference", "anchors"):
+        models = REFERENCE_MODELS if group == "reference" else anchors
+        if short in models:
+            return models[short]
+    elif name in REFERENCE_MODELS and name in anchors:
+        reference, anchor = REFERENCE_MODELS[name], anchors[name]
+        raise InvalidOptionError(
+            f"--models {name} names two models: the small reference model ({_per_sample(reference)} per sample) and the "
+            f"full-size anchor ({_per_sample(anchor)}): say reference.{name} or anchors.{name}"
+        )
+    elif name in REFERENCE_MODELS:
+        return REFERENCE_MODELS[name]
+    elif name in anchors:
         return anchors[name]
-    raise InvalidOptionError(
-        f"unknown model {name!r}: use reference, anchors, one of {', '.join(known + sorted(anchors))}, or MODULE:FACTORY"
-    )
+    known = [f"reference.{n}" if n in anchors else n for n in sorted(REFERENCE_MODELS)]
+    known += [f"anchors.{n}" if n in REFERENCE_MODELS else n for n in sorted(anchors)]
+    raise InvalidOptionError(f"unknown model {name!r}: use reference, anchors, one of {', '.join(known)}, or MODULE:FACTORY")
+
+
+def _per_sample(model: ReferenceModel) -> str:
+    return "x".join(str(size) for size in model.input_shape[1:])

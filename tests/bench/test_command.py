@@ -16,9 +16,12 @@ import pytest
 
 import graphopt.models
 from graphopt import cli, cli_bench
+from graphopt.bench.harness import BenchModel
+from graphopt.bench.models import select_models
 from graphopt.bench.results import BenchResult
 from graphopt.bench.suite import QUICK_VARIANTS
 from graphopt.bench.variants import select, variants
+from graphopt.errors import InvalidOptionError
 
 FAST_VARIANTS = "eager-cl,graphopt"
 
@@ -126,7 +129,8 @@ def test_module_factory_models_take_their_inputs(tmp_path: Path, capsys: pytest.
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--models", "resnet,nope"], "unknown model 'nope': use reference, anchors, one of convnext, mobilenet_v2, resnet, transformer"),
+        (["--models", "resnet,nope"], "unknown model 'nope': use reference, anchors, one of convnext, reference.mobilenet_v2, resnet, transformer, convnext_tiny, efficientnet_b0, anchors.mobilenet_v2, resnet50, vit_b_16, or MODULE:FACTORY"),
+        (["--models", "mobilenet_v2"], "--models mobilenet_v2 names two models: the small reference model (3x64x64 per sample) and the full-size anchor (3x224x224): say reference.mobilenet_v2 or anchors.mobilenet_v2"),
         (["--models", "graphopt.models:nope"], "module 'graphopt.models' has no attribute 'nope'"),
         (["--models", "graphopt.models:resnet_small", "--input", "2xfoo"], "--input '2xfoo' is not SHAPE[:DTYPE]"),
         (["--variants", "tensorrt"], "no variant matches 'tensorrt'"),
@@ -147,6 +151,17 @@ def test_anchor_models_are_required_for_anchors(
     code, _, err = bench(capsys, "--models", "anchors", "--output-dir", str(tmp_path))
     assert code == 2
     assert "--models anchors needs graphopt.models.ANCHOR_MODELS" in err
+
+
+def test_a_name_both_groups_have_is_chosen_by_its_group() -> None:
+    def no_factory(entry: str) -> BenchModel:
+        raise AssertionError(entry)
+
+    reference, anchor, resnet50 = select_models("reference.mobilenet_v2, anchors.mobilenet_v2,resnet50", 2, no_factory)
+    assert [model.name for model in (reference, anchor, resnet50)] == ["mobilenet_v2", "mobilenet_v2", "resnet50"]
+    assert [tuple(model.inputs()[0].shape) for model in (reference, anchor, resnet50)] == [(2, 3, 64, 64), (2, 3, 224, 224), (2, 3, 224, 224)]
+    with pytest.raises(InvalidOptionError, match="unknown model 'anchors.resnet'"):
+        select_models("anchors.resnet", 2, no_factory)
 
 
 def test_anchor_models_are_found_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
