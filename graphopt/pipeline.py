@@ -196,7 +196,7 @@ def _measure(before: fx.GraphModule, after: fx.GraphModule, ctx: PassContext) ->
     """``before`` against ``after`` on the example inputs (forward only), until settled (`compare_latency`) or the budget is spent."""
     with verify.isolated(before), verify.isolated(after):
         return compare_latency(
-            lambda: before(*ctx.example_inputs), lambda: after(*ctx.example_inputs), threshold=pass_base.MIN_MEASURED_GAIN, budget_s=MEASURE_BUDGET_S
+            lambda: before(*ctx.example_inputs), lambda: after(*ctx.example_inputs), threshold=pass_base.MIN_MEASURED_GAIN, budget_s=MEASURE_BUDGET_S, asks="slower"
         )
 
 
@@ -249,7 +249,7 @@ def _decision_note(measurement: Comparison, cached: bool) -> str:
     figures = f"{source}: {before}, {measurement.candidate_s * 1e3:.2f} ms with ({measurement.ratio:.2f}x)"
     if measurement.slower:
         return f"{figures}: undone (clearly slower with it, beyond the measurement noise)"
-    if measurement.faster:
+    if measurement.settled:  # clearly not slower: the interval is at least at 1 / threshold
         return f"{figures}: kept"
     return f"{figures}: kept (within the measurement noise: the preset's choice stands unless the pass is clearly slower)"
 

@@ -9,14 +9,17 @@ rests on the median of those ratios and its `CONFIDENCE` interval (order statist
 sign test: no assumption about the shape of the noise, and a burst that slows one call makes
 one extreme ratio, not a shifted mean). Rounds go on until the decision is settled or the budget
 (seconds, or `MAX_ROUNDS`) is spent; `MIN_ROUNDS` rounds always run, the fewest whose interval is
-finite. Two rules decide on a `Comparison`: a candidate the caller's default leaves out (int8
-against float32) is taken only where `Comparison.faster` (the interval above the threshold); a
-candidate the default includes (a measured pass of the preset, a oneDNN kernel, the compiled decode
-step) stays unless `Comparison.slower` (the interval below the threshold's inverse: slower by more
-than the gain a candidate must show, 1/1.02 for a pass), so that a measurement that stays within the
-noise, as under other processes' load, leaves the default and repeated runs agree. The interval is
-settled for both (`Comparison.settled`) once it is above the threshold, below its inverse, or between
-the two (neither faster nor slower by the margin: a neutral pass stops after the fewest rounds).
+finite. Two rules decide on a `Comparison`, and the caller says which it asks (``asks``): a
+candidate the caller's default leaves out (int8 against float32) is taken only where
+`Comparison.faster` (``asks="faster"``: the interval above the threshold); a candidate the default
+includes (a measured pass of the preset, a oneDNN kernel, the compiled decode step, OpenVINO's model
+compiled for the example's shapes) stays unless `Comparison.slower` (``asks="slower"``: the interval
+below the threshold's inverse, slower by more than the gain a candidate must show, 1/1.02 for a
+pass), so that a measurement that stays within the noise, as under other processes' load, leaves the
+default and repeated runs agree. Rounds stop once the rule asked can no longer change its answer
+(`Comparison.settled`): for "faster", the interval above the threshold or at most at it; for "slower",
+below the inverse or at least at it (a pass 1.01x faster stops after the fewest rounds, where one
+straddling 0.98x is timed to the budget); ``asks="either"`` waits for both.
 
 Every measurement also records how many cores other processes kept busy meanwhile (`ForeignLoad`:
 the system's busy CPU time minus this process's own, from psutil; unknown without it). The
@@ -68,6 +71,7 @@ FOREIGN_LOAD_LIMIT = 0.25  # cores other processes may keep busy on average befo
 REMEASURE_VARIABLE = "GRAPHOPT_REMEASURE"  # set to 1: remembered decisions are measured again (and remembered anew)
 
 Verdict = Literal["clear", "close", "disturbed"]
+Question = Literal["faster", "slower", "either"]  # which rule a comparison's caller applies (`Comparison.settled`)
 Measure = Callable[[Callable[[], Any]], float]
 
 
@@ -171,10 +175,15 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     return ordered[cut - 1], ordered[count - cut]
 
 
-def _settled(low: float, high: float, threshold: float) -> bool:
-    """The interval [low, high] of a paired ratio is above ``threshold`` (clearly faster), below its inverse (clearly
-    slower by the same margin), or between the two (clearly neither): no rule's decision changes with more rounds."""
-    return low > threshold or high < 1.0 / threshold or (low >= 1.0 / threshold and high <= threshold)
+def _settled(low: float, high: float, threshold: float, asks: Question) -> bool:
+    """More rounds cannot change the answer to ``asks`` for the interval [low, high] of a paired ratio.
+
+    "faster": the interval is above ``threshold`` (faster) or at most at it (not faster); "slower":
+    below its inverse (slower by the same margin) or at least at it (not slower); "either": both.
+    """
+    faster_settled = low > threshold or high <= threshold
+    slower_settled = high < 1.0 / threshold or low >= 1.0 / threshold
+    return {"faster": faster_settled, "slower": slower_settled, "either": faster_settled and slower_settled}[asks]
 
 
 def _verdict(clear: bool, foreign_cores: float | None) -> Verdict:
@@ -204,17 +213,20 @@ class Comparison:
     rounds: int
     foreign_cores: float | None  # cores other processes kept busy on average (None: not measured)
     verdict: Verdict
+    asks: Question = "either"  # the rule the caller applies: what "clear" (`settled`) means
     anchored: bool = False  # baseline_s is an earlier measurement of the same graph, candidate_s that over ratio
 
     @classmethod
-    def of(cls, baseline: Sequence[float], candidate: Sequence[float], threshold: float, foreign_cores: float | None = None) -> Comparison:
-        """The comparison that paired samples (seconds, round by round) support."""
+    def of(
+        cls, baseline: Sequence[float], candidate: Sequence[float], threshold: float, foreign_cores: float | None = None, asks: Question = "either"
+    ) -> Comparison:
+        """The comparison that paired samples (seconds, round by round) support, for the rule ``asks``."""
         ratios = [b / c if c > 0 else math.inf for b, c in zip(baseline, candidate, strict=True)]
         low, high = median_interval(ratios)
         baseline_s, ratio = statistics.median(baseline), statistics.median(ratios)
         return cls(
             baseline_s, baseline_s / ratio if ratio > 0 else math.inf, ratio, low, high, threshold,
-            len(ratios), foreign_cores, _verdict(_settled(low, high, threshold), foreign_cores),
+            len(ratios), foreign_cores, _verdict(_settled(low, high, threshold, asks), foreign_cores), asks,
         )  # fmt: skip
 
     @property
@@ -235,8 +247,8 @@ class Comparison:
 
     @property
     def settled(self) -> bool:
-        """Neither rule's decision (`faster`, `slower`) can change with more rounds: see `_settled`."""
-        return _settled(self.low, self.high, self.threshold)
+        """The answer to the rule the caller asks (`faster`, `slower` or both) cannot change with more rounds: see `_settled`."""
+        return _settled(self.low, self.high, self.threshold, self.asks)
 
     @property
     def noise(self) -> float:
@@ -265,7 +277,8 @@ class Comparison:
                 "measured: its figures are unreliable and the decision is not reused; measure on a quieter machine to settle it"
             )
         if self.verdict == "close":
-            return f"within the measurement noise after {self.rounds} rounds: neither clearly {self.threshold:.2f}x faster nor clearly slower"
+            edge = self.threshold if self.asks == "faster" or (self.asks == "either" and self.high > self.threshold) else 1.0 / self.threshold
+            return f"within the measurement noise after {self.rounds} rounds: its interval {self.low:.2f}-{self.high:.2f}x straddles {edge:.2f}x"
         return ""
 
 
@@ -350,23 +363,25 @@ def compare_latency(
     threshold: float = 1.0,
     budget_s: float = 2.0,
     measure: Measure = wall_clock_seconds,
+    *,
+    asks: Question,
 ) -> Comparison:
-    """``baseline`` against ``candidate`` in paired rounds (A B, B A, ...) until the decision is settled.
+    """``baseline`` against ``candidate`` in paired rounds (A B, B A, ...) until the answer to ``asks`` is settled.
 
-    Stops as soon as the interval of the paired ratio is above ``threshold`` (how many times faster
-    the candidate must be to count as faster: `Comparison.faster`), below its inverse
-    (`Comparison.slower`) or between the two (`Comparison.settled`), where neither rule's decision can
-    change any more, or when ``budget_s`` is spent (at least
-    `MIN_ROUNDS` rounds: a long call may overrun it). A close result leaves the caller's default:
-    without the candidate where it is taken only if faster, with it where it stays unless slower.
+    ``asks="faster"``: the caller takes the candidate only where `Comparison.faster` (the interval of
+    the paired ratio above ``threshold``, how many times faster it must be); ``asks="slower"``: the
+    caller has it by default and drops it only where `Comparison.slower` (the interval below the
+    threshold's inverse). Stops as soon as that answer cannot change (`Comparison.settled`), or when
+    ``budget_s`` is spent (at least `MIN_ROUNDS` rounds: a long call may overrun it); a close result
+    leaves the caller's default.
     """
     samples, foreign = _paired_rounds(
         {"baseline": baseline, "candidate": candidate},
         budget_s,
-        lambda s: Comparison.of(s["baseline"], s["candidate"], threshold).verdict == "clear",
+        lambda s: Comparison.of(s["baseline"], s["candidate"], threshold, asks=asks).verdict == "clear",
         measure,
     )
-    return Comparison.of(samples["baseline"], samples["candidate"], threshold, foreign)
+    return Comparison.of(samples["baseline"], samples["candidate"], threshold, foreign, asks)
 
 
 def rank_latencies(variants: Mapping[str, Callable[[], Any]], budget_s: float = 10.0, measure: Measure = wall_clock_seconds) -> Ranking:
@@ -425,7 +440,7 @@ def remembered(key: str) -> Comparison | None:
         comparison = Comparison(**entry)
     except TypeError:  # missing, or written by another graphopt version
         return None
-    # an entry written under another rule for "clear" is measured again
+    # an entry written under another rule for "clear" (or none: "either", the strictest) is measured again
     return comparison if comparison.verdict == "clear" and comparison.settled else None
 
 

@@ -104,7 +104,7 @@ def test_the_docs_picture_is_what_make_docs_pictures_draws(tmp_path: Path, monke
     """README and notebook 02 show docs/graph-diff.png; the project's own command redraws it at the same size."""
     # the picture shows the measured passes kept (measured faster where it was drawn); timed here, a loaded machine
     # undoes some and draws another graph: every measured pass "measures" faster, as there (no test times anything)
-    monkeypatch.setattr("graphopt.pipeline.compare_latency", lambda before, after, threshold, budget_s: measured_as(2.0, 1.0, threshold))
+    monkeypatch.setattr("graphopt.pipeline.compare_latency", lambda before, after, threshold, budget_s, asks: measured_as(2.0, 1.0, threshold))
     root = Path(__file__).resolve().parent.parent
     picture = root / "docs" / "graph-diff.png"
     assert "](docs/graph-diff.png)" in (root / "README.md").read_text()

@@ -561,7 +561,7 @@ def int8_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test times anything: int8 'measures' 2x faster than float32 (as on a CPU with VNNI), so the layers stay in int8."""
     quantize = importlib.import_module("graphopt.passes.quantize_int8")  # the package attribute is the pass function
 
-    def twice_as_fast(baseline: Callable[[], Any], candidate: Callable[[], Any], threshold: float, budget_s: float) -> timing.Comparison:
+    def twice_as_fast(baseline: Callable[[], Any], candidate: Callable[[], Any], threshold: float, budget_s: float, asks: timing.Question) -> timing.Comparison:
         baseline()
         candidate()
         return measured_as(2.0, 1.0, threshold)

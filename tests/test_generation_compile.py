@@ -60,8 +60,8 @@ def compiled() -> tuple[nn.Module, graphopt.OptimizedModule]:
     with pytest.MonkeyPatch.context() as patch:
         linear_pass = importlib.import_module("graphopt.passes.use_onednn_linear")  # the module (graphopt.passes names the function)
         patch.setattr(linear_pass, "MIN_WEIGHT_ELEMENTS", 1)
-        patch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
-        patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(1.0, 1.0))  # a tie keeps it compiled
+        patch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s, asks: measured_as(2.0, 1.0))
+        patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s, asks: measured_as(1.0, 1.0))  # a tie keeps it compiled
         return model, graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask})
 
 
@@ -179,7 +179,8 @@ def test_by_default_the_compiled_step_is_kept_unless_it_measures_clearly_slower(
 ) -> None:
     timed: list[int] = []
 
-    def timer(ops: Callable[[], Any], step: Callable[[], Any], budget_s: float) -> Any:
+    def timer(ops: Callable[[], Any], step: Callable[[], Any], budget_s: float, asks: str) -> Any:
+        assert asks == "slower", "the compiled step is the default: dropped only where clearly slower"
         assert torch.equal(ops()[0], step()[0])  # both run the decode step on the capture's arguments
         timed.append(1)
         return measured_as(ops_s, step_s)
@@ -244,7 +245,7 @@ def test_passes_rolled_back_take_the_compiled_step_with_them(stub_compiler: list
     """A pass that breaks the graphs fails verification after the decode graph was compiled: both are rolled back."""
     from tests.test_generation_graphs import _scale_the_first_linear
 
-    monkeypatch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(2.0, 1.0))
+    monkeypatch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s, asks: measured_as(2.0, 1.0))
     model = tiny("llama", num_hidden_layers=1)
     ids, mask = prompt(2, 6, padded=2)
     broken = PassInfo("scale_the_first_linear", _scale_the_first_linear, ("inference",), "a broken pass")

@@ -129,7 +129,7 @@ def test_large_linears_of_the_generation_graphs_run_on_onednn_where_timed_faster
     """A GPT-2 one layer deep and 1024 wide: its linears are large enough for use_onednn_linear (a stub timer says oneDNN
     is faster), and generate() still gives the original's tokens."""
     linear_pass = importlib.import_module("graphopt.passes.use_onednn_linear")
-    monkeypatch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
+    monkeypatch.setattr(linear_pass, "compare_latency", lambda aten, onednn, budget_s, asks: measured_as(2.0, 1.0))
     model = tiny("gpt2", n_layer=1, n_embd=1024, n_head=16)
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse=False)  # the graphs' kernels, not compiled

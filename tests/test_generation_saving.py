@@ -95,8 +95,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ids, mask = prompt(2, 6, padded=2)
         with pytest.MonkeyPatch.context() as patch:  # on PyTorch: every linear on oneDNN, measured faster by a stub
             patch.setattr(LINEAR_PASS, "MIN_WEIGHT_ELEMENTS", 1)
-            patch.setattr(LINEAR_PASS, "compare_latency", lambda aten, onednn, budget_s: measured_as(2.0, 1.0))
-            patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s: measured_as(1.0, 1.0))  # a tie: decode compiled
+            patch.setattr(LINEAR_PASS, "compare_latency", lambda aten, onednn, budget_s, asks: measured_as(2.0, 1.0))
+            patch.setattr(generation_build, "compare_latency", lambda ops, step, budget_s, asks: measured_as(1.0, 1.0))  # a tie: decode compiled
             fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, engine=engine)
         cases[name] = {"model": model, "module": fast, "path": graphopt.save(fast, folder / f"{name}.pt2")}
     torch.save(the_prompt(), folder / "prompt.pt")

@@ -71,7 +71,8 @@ class NoisyMachine:
 
 
 def compare_on(machine: NoisyMachine, baseline_s: float, candidate_s: float, threshold: float = 1.02, budget_s: float = 2.0) -> timing.Comparison:
-    return timing.compare_latency(machine.call(baseline_s), machine.call(candidate_s), threshold=threshold, budget_s=budget_s)
+    """Is the candidate faster (as int8 against float32 asks), on ``machine``?"""
+    return timing.compare_latency(machine.call(baseline_s), machine.call(candidate_s), threshold=threshold, budget_s=budget_s, asks="faster")
 
 
 def test_a_clear_difference_gives_the_same_decision_whatever_the_noise(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,9 +158,11 @@ def true_cost(gains: dict[str, float]) -> Callable[[fx.GraphModule], float]:
 def run_graphs_on(machine: NoisyMachine, cost: Callable[[fx.GraphModule], float], log: list[str]) -> Callable[..., timing.Comparison]:
     """pipeline.compare_latency on the noisy machine: the graphs really run, their times are the machine's."""
 
-    def compare(before: Callable[[], Any], after: Callable[[], Any], threshold: float, budget_s: float) -> timing.Comparison:
+    def compare(before: Callable[[], Any], after: Callable[[], Any], threshold: float, budget_s: float, asks: timing.Question) -> timing.Comparison:
         log.append("measured")
-        return REAL_COMPARE(machine.call(cost(graph_of(before)), before), machine.call(cost(graph_of(after)), after), threshold=threshold, budget_s=budget_s)
+        assert asks == "slower", "a measured pass of the preset stays unless clearly slower"
+        baseline, candidate = machine.call(cost(graph_of(before)), before), machine.call(cost(graph_of(after)), after)
+        return REAL_COMPARE(baseline, candidate, threshold=threshold, budget_s=budget_s, asks=asks)
 
     return compare
 
@@ -233,7 +236,7 @@ def test_the_note_s_figures_agree_with_the_ratio_under_load(monkeypatch: pytest.
     # the baseline's (10.50 ms) while the paired rounds say 0.85x. The note gives "with" as "without" over the ratio
     baseline = [1e-3 * b for b in [*range(1, 18), 100, 100, 100]]
     candidate = [1e-3 * c for c in [*(b / 0.85 for b in range(1, 18)), 0.5, 0.5, 0.5]]
-    monkeypatch.setattr(pipeline, "compare_latency", lambda before, after, threshold, budget_s: timing.Comparison.of(baseline, candidate, threshold, 0.0))
+    monkeypatch.setattr(pipeline, "compare_latency", lambda before, after, threshold, budget_s, asks: timing.Comparison.of(baseline, candidate, threshold, 0.0, asks))
     model, inputs = model_and_inputs()
     report = graphopt.optimize(model, inputs, disable=["use_onednn_kernels"]).graphopt_report
     assert report["to_channels_last"].notes[-1] == (
@@ -256,11 +259,11 @@ def test_consecutive_measured_passes_report_one_time_for_the_graph_they_share(mo
 def counting_timer(log: list[str], gain: float = 2.0, foreign_cores: float = 0.0) -> Callable[..., timing.Comparison]:
     """pipeline.compare_latency that logs each call and says the pass makes the graph ``gain`` times faster."""
 
-    def compare(before: Callable[[], Any], after: Callable[[], Any], threshold: float, budget_s: float) -> timing.Comparison:
+    def compare(before: Callable[[], Any], after: Callable[[], Any], threshold: float, budget_s: float, asks: timing.Question) -> timing.Comparison:
         log.append("measured")
         if gain == threshold:  # as fast as the threshold asks: a close call
-            return timing.Comparison.of([1.0, 1.1] * 4, [1.1 / gain, 1.0 / gain] * 4, threshold, foreign_cores)
-        return timing.Comparison.of([gain * 1e-3] * timing.MIN_ROUNDS, [1e-3] * timing.MIN_ROUNDS, threshold, foreign_cores)
+            return timing.Comparison.of([1.0, 1.1] * 4, [1.1 / gain, 1.0 / gain] * 4, threshold, foreign_cores, asks)
+        return timing.Comparison.of([gain * 1e-3] * timing.MIN_ROUNDS, [1e-3] * timing.MIN_ROUNDS, threshold, foreign_cores, asks)
 
     return compare
 
@@ -312,7 +315,7 @@ def test_close_and_disturbed_decisions_are_measured_again(monkeypatch: pytest.Mo
 
 def test_the_measurement_survives_the_report_s_json(monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = model_and_inputs()
-    monkeypatch.setattr(pipeline, "compare_latency", lambda before, after, threshold, budget_s: measured_as(2.0, 1.0, threshold))
+    monkeypatch.setattr(pipeline, "compare_latency", lambda before, after, threshold, budget_s, asks: measured_as(2.0, 1.0, threshold))
     report = graphopt.optimize(model, inputs, disable=["use_onednn_kernels"]).graphopt_report
     again = Report.from_dict(report.to_dict())
     assert again["to_channels_last"].measurement == report["to_channels_last"].measurement
@@ -359,10 +362,12 @@ def test_tune_flags_a_close_ranking_and_does_not_remember_a_disturbed_one(monkey
 def close_call(log: list[float]) -> Callable[..., timing.Comparison]:
     """A timer for the per-layer decisions: runs both sides once and says the candidate is as fast as the threshold asks."""
 
-    def compare(baseline: Callable[[], Any], candidate: Callable[[], Any], threshold: float = 1.0, budget_s: float = 2.0) -> timing.Comparison:
+    def compare(
+        baseline: Callable[[], Any], candidate: Callable[[], Any], threshold: float = 1.0, budget_s: float = 2.0, *, asks: timing.Question
+    ) -> timing.Comparison:
         baseline(), candidate()
         log.append(threshold)
-        return timing.Comparison.of([1.0, 1.1] * 4, [1.1 / threshold, 1.0 / threshold] * 4, threshold, foreign_cores=0.0)
+        return timing.Comparison.of([1.0, 1.1] * 4, [1.1 / threshold, 1.0 / threshold] * 4, threshold, foreign_cores=0.0, asks=asks)
 
     return compare
 

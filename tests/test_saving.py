@@ -89,7 +89,7 @@ def tiny_bert() -> nn.Module:
 
 def fused_linears_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """use_onednn_linear rewrites every linear it may (its timing would decide by this machine's speed)."""
-    monkeypatch.setattr(linear_pass, "compare_latency", lambda aten, kernel, budget_s: measured_as(2.0, 1.0))
+    monkeypatch.setattr(linear_pass, "compare_latency", lambda aten, kernel, budget_s, asks: measured_as(2.0, 1.0))
 
 
 # the default preset's prepacked kernels, kept where they measure faster: left out where a case must run ATen's convs or

@@ -48,7 +48,7 @@ def test_rounds_alternate_the_order_and_stop_once_the_interval_is_clear(clock: F
     log: list[str] = []
     baseline_calls, baseline = timed_call(clock, [0.1, 0.02], log, "A")  # a slow first call: not a sample
     candidate_calls, candidate = timed_call(clock, [0.05, 0.01], log, "B")
-    result = timing.compare_latency(baseline, candidate, threshold=1.5, budget_s=100.0)
+    result = timing.compare_latency(baseline, candidate, threshold=1.5, budget_s=100.0, asks="faster")
     assert (result.baseline_s, result.candidate_s, result.ratio) == pytest.approx((0.02, 0.01, 2.0))
     assert result.verdict == "clear" and result.faster and result.rounds == timing.MIN_ROUNDS
     assert baseline_calls == candidate_calls == [1 + timing.MIN_ROUNDS], "the warm-up, then the fewest rounds with a finite interval"
@@ -59,7 +59,7 @@ def test_rounds_alternate_the_order_and_stop_once_the_interval_is_clear(clock: F
 def test_long_calls_count_the_warm_up_round(clock: FakeClock) -> None:
     baseline_calls, baseline = timed_call(clock, [2.0])
     candidate_calls, candidate = timed_call(clock, [1.2, 1.0])
-    result = timing.compare_latency(baseline, candidate, budget_s=1.0)
+    result = timing.compare_latency(baseline, candidate, budget_s=1.0, asks="faster")
     assert baseline_calls == candidate_calls == [timing.MIN_ROUNDS], "the warm-up is the first round; the budget cannot cut the minimum"
     assert result.rounds == timing.MIN_ROUNDS and result.ratio == pytest.approx(2.0)  # the median ignores the first 1.2 s
 
@@ -70,7 +70,7 @@ def test_one_long_first_call_counts_no_warm_up_as_a_round(clock: FakeClock, long
     first = {"baseline": 0.1, "candidate": 0.05, long_first: 2.0}
     baseline_calls, baseline = timed_call(clock, [first["baseline"], 0.1])
     candidate_calls, candidate = timed_call(clock, [first["candidate"], 0.05])
-    result = timing.compare_latency(baseline, candidate, threshold=1.5, budget_s=100.0)
+    result = timing.compare_latency(baseline, candidate, threshold=1.5, budget_s=100.0, asks="faster")
     assert baseline_calls == candidate_calls == [1 + timing.MIN_ROUNDS], "both warm-ups, then the fewest rounds"
     assert (result.rounds, result.baseline_s, result.candidate_s, result.low, result.high) == pytest.approx((timing.MIN_ROUNDS, 0.1, 0.05, 2.0, 2.0))
 
@@ -79,7 +79,7 @@ def test_a_candidate_as_fast_as_the_threshold_is_close_and_measured_until_the_bu
     # per-round ratios alternate 0.8x and 1.25x around 1.0: no interval clears it however many rounds
     baseline_calls, baseline = timed_call(clock, [0.01] * 200)
     candidate_calls, candidate = timed_call(clock, [0.01] + [0.0125, 0.008] * 100)
-    result = timing.compare_latency(baseline, candidate, threshold=1.0, budget_s=0.5)
+    result = timing.compare_latency(baseline, candidate, threshold=1.0, budget_s=0.5, asks="faster")
     assert result.verdict == "close" and not result.faster
     assert result.low < 1.0 < result.high and result.noise > 0.1
     # ~0.02 s per round: the warm-up and rounds while the next one still ends within 0.5 s
@@ -90,13 +90,13 @@ def test_a_candidate_as_fast_as_the_threshold_is_close_and_measured_until_the_bu
 def test_cheap_calls_stop_at_the_round_limit(clock: FakeClock) -> None:
     _, baseline = timed_call(clock, [1e-4])
     _, candidate = timed_call(clock, [1e-4] + [1.25e-4, 0.8e-4] * 100)
-    assert timing.compare_latency(baseline, candidate, budget_s=100.0).rounds == timing.MAX_ROUNDS
+    assert timing.compare_latency(baseline, candidate, budget_s=100.0, asks="faster").rounds == timing.MAX_ROUNDS
 
 
 def test_a_clearly_slower_candidate_is_clear_and_not_faster(clock: FakeClock) -> None:
     _, baseline = timed_call(clock, [0.01])
     _, candidate = timed_call(clock, [0.03])
-    result = timing.compare_latency(baseline, candidate, threshold=1.02)
+    result = timing.compare_latency(baseline, candidate, threshold=1.02, asks="faster")
     assert result.verdict == "clear" and not result.faster and result.high < 1.02 and result.rounds == timing.MIN_ROUNDS
 
 
@@ -104,21 +104,47 @@ def test_a_clearly_slower_candidate_is_clear_and_not_faster(clock: FakeClock) ->
 def test_the_rounds_stop_once_neither_rule_can_change_its_decision(clock: FakeClock, candidate_s: float, slower: bool) -> None:
     # steady calls: the interval is the ratio itself. At 1.01x and 0.99x the candidate is clearly neither 1.02x faster
     # (taken where it must be faster) nor slower by that margin (undone where it stays unless slower); at 0.95x clearly
-    # slower: each settled after the fewest rounds
+    # slower: each settled after the fewest rounds, for both rules at once
     _, baseline = timed_call(clock, [0.01])
     _, candidate = timed_call(clock, [candidate_s])
-    result = timing.compare_latency(baseline, candidate, threshold=1.02, budget_s=0.5)
+    result = timing.compare_latency(baseline, candidate, threshold=1.02, budget_s=0.5, asks="either")
     assert not result.faster and result.slower is slower
     assert result.verdict == "clear" and result.settled and result.rounds == timing.MIN_ROUNDS
 
 
-def test_rounds_go_on_while_the_interval_straddles_a_margin(clock: FakeClock) -> None:
-    # alternating 1.00x and 1.04x: the interval straddles 1.02x, so either rule could still decide either way
+@pytest.mark.parametrize("asks", ["faster", "either"])
+def test_rounds_go_on_while_the_interval_straddles_the_threshold_asked_about(clock: FakeClock, asks: timing.Question) -> None:
+    # alternating 1.00x and 1.04x: the interval straddles 1.02x, so "is it 1.02x faster?" could still go either way
     _, baseline = timed_call(clock, [0.0104, 0.01] * 40)
     _, candidate = timed_call(clock, [0.01])
-    result = timing.compare_latency(baseline, candidate, threshold=1.02, budget_s=0.5)
+    result = timing.compare_latency(baseline, candidate, threshold=1.02, budget_s=0.5, asks=asks)
     assert result.verdict == "close" and not result.settled and clock.now > 0.45
-    assert result.concern() == f"within the measurement noise after {result.rounds} rounds: neither clearly 1.02x faster nor clearly slower"
+    assert result.concern() == f"within the measurement noise after {result.rounds} rounds: its interval 1.00-1.04x straddles 1.02x"
+
+
+@pytest.mark.parametrize(
+    ("asks", "ratios", "straddles", "slower"),
+    [
+        ("slower", (1.00, 1.04), None, False),  # at least 1/1.02: not slower, however many more rounds (a pass stays)
+        ("slower", (0.93, 0.97), None, True),  # below 1/1.02: slower (a pass is undone)
+        ("slower", (0.96, 1.00), "0.98x", False),  # straddles 1/1.02: timed to the budget, the default kept
+        ("faster", (0.96, 1.01), None, False),  # at most 1.02: not faster (int8 is left out), though it could be slower
+        ("either", (0.96, 1.01), "0.98x", False),
+    ],
+)
+def test_each_rule_stops_once_its_own_answer_is_settled(
+    clock: FakeClock, asks: timing.Question, ratios: tuple[float, float], straddles: str | None, slower: bool
+) -> None:
+    _, baseline = timed_call(clock, [0.01 * ratios[0], 0.01 * ratios[1]] * 40)
+    _, candidate = timed_call(clock, [0.01])
+    result = timing.compare_latency(baseline, candidate, threshold=1.02, budget_s=0.5, asks=asks)
+    assert (result.low, result.high) == pytest.approx(ratios) and result.asks == asks
+    assert result.settled is (straddles is None) and result.slower is slower and not result.faster
+    if straddles is None:
+        assert result.verdict == "clear" and result.rounds == timing.MIN_ROUNDS, "the fewest rounds"
+    else:
+        assert result.verdict == "close" and clock.now > 0.45, "timed to the budget"
+        assert result.concern().endswith(f"straddles {straddles}")
 
 
 def test_the_candidate_s_time_follows_the_paired_ratio() -> None:
@@ -140,6 +166,10 @@ def test_a_remembered_decision_that_is_not_settled_is_measured_again(tmp_path, m
     settled = timing.Comparison.of([0.99] * 8, [1.0] * 8, 1.02, foreign_cores=0.0)
     timing.remember(key, settled)
     assert settled.verdict == "clear" and timing.remembered(key) == settled
+    # the same interval asked only "is it slower?" (a pass of the preset) is settled: not slower
+    not_slower = timing.Comparison.of([1.0, 1.04] * 4, [1.0] * 8, 1.02, foreign_cores=0.0, asks="slower")
+    timing.remember(key, not_slower)
+    assert not_slower.verdict == "clear" and timing.remembered(key) == not_slower
 
 
 @pytest.mark.parametrize("count", [*range(1, 60), 200])

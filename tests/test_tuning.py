@@ -325,7 +325,7 @@ def test_a_budget_spent_on_int8_still_builds_each_float_precision(monkeypatch: p
         return original(model, example_inputs, shared, **options)
 
     monkeypatch.setattr(graphopt.api, "build_candidate", slow)
-    monkeypatch.setattr(importlib.import_module("graphopt.passes.quantize_int8"), "compare_latency", lambda baseline, candidate, threshold, budget_s: measured_as(2.0, 1.0, threshold))
+    monkeypatch.setattr(importlib.import_module("graphopt.passes.quantize_int8"), "compare_latency", lambda baseline, candidate, threshold, budget_s, asks: measured_as(2.0, 1.0, threshold))
     model, inputs = resnet()
     batches = [torch.randn_like(inputs[0]) for _ in range(2)]
     report = graphopt.optimize(model, inputs, tune=True, accuracy=5e-2, calibration=batches, tune_budget_s=1).graphopt_report
@@ -424,7 +424,7 @@ def test_an_error_not_measured_is_never_recorded_as_zero(monkeypatch: pytest.Mon
 def test_calibration_makes_int8_a_candidate_that_wins_only_when_faster(int8_fastest: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     use_timer(monkeypatch, {"int8 channels_last": 1e-4 if int8_fastest else 1.0, "fp32 channels_last + oneDNN": 1e-3})
     # every layer's int8 kernel 'measures' faster than its float32 one: the int8 candidate keeps them
-    monkeypatch.setattr(importlib.import_module("graphopt.passes.quantize_int8"), "compare_latency", lambda baseline, candidate, threshold, budget_s: measured_as(2.0, 1.0, threshold))
+    monkeypatch.setattr(importlib.import_module("graphopt.passes.quantize_int8"), "compare_latency", lambda baseline, candidate, threshold, budget_s, asks: measured_as(2.0, 1.0, threshold))
     model, inputs = resnet()
     batches = [torch.randn_like(inputs[0]) for _ in range(2)]
     tuned = graphopt.optimize(model, inputs, tune=True, accuracy=5e-2, calibration=batches)

@@ -123,7 +123,7 @@ class OpenVINORunner(EngineRunner):
         Returns the report's line."""
         feeds = [_random_array(port, shape) for port, shape in zip(self.example_compiled.inputs, self.example_shapes, strict=True)]
         static, dynamic = self.infer_request(self.example_compiled), self.infer_request(self.other_sizes_compiled)
-        comparison = compare_latency(lambda: dynamic.infer(feeds), lambda: static.infer(feeds), budget_s=SHAPES_BUDGET_S)
+        comparison = compare_latency(lambda: dynamic.infer(feeds), lambda: static.infer(feeds), budget_s=SHAPES_BUDGET_S, asks="slower")
         figures = f"{comparison.candidate_s * 1e3:.2f} ms compiled for the example's shapes, {comparison.baseline_s * 1e3:.2f} ms dynamic ({comparison.ratio:.2f}x)"
         if comparison.slower:
             self.example_compiled = self.other_sizes_compiled

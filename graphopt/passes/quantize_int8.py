@@ -158,7 +158,7 @@ def _speedups(gm: fx.GraphModule, layers: list[Layer], args: tuple[Any, ...]) ->
             int8 = layer.int8_module
             assert int8 is not None
             timed[layer] = compare_latency(
-                lambda: module.forward(*inputs), lambda: int8(*inputs), threshold=MIN_MEASURED_GAIN, budget_s=LAYER_TIMING_BUDGET_S
+                lambda: module.forward(*inputs), lambda: int8(*inputs), threshold=MIN_MEASURED_GAIN, budget_s=LAYER_TIMING_BUDGET_S, asks="faster"
             )
 
         return hook
@@ -183,7 +183,7 @@ def _graph_times(gm: fx.GraphModule, chosen: list[Layer], args: tuple[Any, ...])
 
     try:
         with torch.no_grad(), verify.isolated(gm):
-            return compare_latency(lambda: run(False), lambda: run(True), threshold=MIN_MEASURED_GAIN, budget_s=GRAPH_TIMING_BUDGET_S)
+            return compare_latency(lambda: run(False), lambda: run(True), threshold=MIN_MEASURED_GAIN, budget_s=GRAPH_TIMING_BUDGET_S, asks="faster")
     finally:
         for layer in chosen:
             _use(gm, layer, True)

@@ -129,7 +129,7 @@ def _figures(kernel: _Linear, x: torch.Tensor, measured: timing.Comparison) -> s
     figures = f"{_describe(kernel, x)}: oneDNN {measured.ratio:.2f}x ATen's speed"
     if measured.verdict != "clear":
         figures += f" ({measured.verdict}: {measured.describe()})"
-    if not (measured.faster or measured.slower):
+    if not measured.settled:
         figures += ", kept (within the measurement noise: the pass's choice stands unless oneDNN is clearly slower)"
     return figures
 
@@ -155,7 +155,7 @@ class _Timings:
             kernels = [kernel, *(dataclasses.replace(kernel, weight=kernel.weight.clone()) for _ in range(copies - 1))]
             with torch.inference_mode():
                 self.measured[key] = compare_latency(
-                    lambda: [each.aten(x, other) for each in kernels][-1], lambda: [each(x, other) for each in kernels][-1], budget_s=MEASURE_BUDGET_S
+                    lambda: [each.aten(x, other) for each in kernels][-1], lambda: [each(x, other) for each in kernels][-1], budget_s=MEASURE_BUDGET_S, asks="slower"
                 )
             self.figures.append(_figures(kernel, x, self.measured[key]))
         measured = self.measured[key]

@@ -27,7 +27,8 @@ def timed_as(*ratios: float):
     timed (float32 seconds, int8 seconds), or 2x when no ratio is given."""
     speedups = iter(ratios)
 
-    def compare(baseline, candidate, threshold, budget_s):
+    def compare(baseline, candidate, threshold, budget_s, asks):
+        assert asks == "faster", "int8 is taken only where faster"
         baseline()
         candidate()
         return measured_as(next(speedups, 2.0), 1.0, threshold)
@@ -498,9 +499,9 @@ def test_with_int8_dot_products_the_whole_graph_is_timed_and_int8_kept_only_wher
     timed = []
 
     def graph_timing(ratio: float):
-        def compare(baseline, candidate, threshold, budget_s):
+        def compare(baseline, candidate, threshold, budget_s, asks):
             timed.append(budget_s)
-            return timed_as(ratio)(baseline, candidate, threshold, budget_s)
+            return timed_as(ratio)(baseline, candidate, threshold, budget_s, asks)
 
         return compare
 

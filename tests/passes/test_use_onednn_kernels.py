@@ -282,7 +282,7 @@ class Timed:
     def __init__(self, with_kernels: float) -> None:
         self.with_kernels = with_kernels
 
-    def __call__(self, before, after, threshold, budget_s) -> timing.Comparison:
+    def __call__(self, before, after, threshold, budget_s, asks) -> timing.Comparison:
         def graph(run) -> fx.GraphModule:
             return next(v for v in inspect.getclosurevars(run).nonlocals.values() if isinstance(v, fx.GraphModule))
 
