@@ -80,7 +80,7 @@ $(BENCH_STAMP): $(STAMP)
 # (about 40 minutes on 2 cores): prints, per model and precision class, graphopt's default and fastest variant against
 # the best peer, with roofline fractions; writes bench-results/bench.{json,md,png}.
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--models resnet50 --rounds 20".
-ANCHOR_VARIANTS := eager,eager-amp-cl,graphopt-default,graphopt-low,graphopt-cl-onednn,graphopt-low-cl-onednn,graphopt-tune,graphopt-tune-exact,graphopt-openvino,graphopt-openvino-low,graphopt-ort,graphopt-inductor,graphopt-inductor-low,graphopt-cl-fuse,graphopt-low-cl-graph,compile-freeze-cl,compile-freeze-amp-cl,ort-plain,openvino,openvino-f32,openvino-f32-again,graphopt-int8,graphopt-int8-1e-1,graphopt-openvino-int8,graphopt-ort-int8,graphopt-tune-int8,openvino-int8,pt2e-int8
+ANCHOR_VARIANTS := eager,eager-amp-cl,graphopt-default,graphopt-low,graphopt-cl-onednn,graphopt-low-cl-onednn,graphopt-tune,graphopt-tune-exact,graphopt-openvino,graphopt-openvino-low,graphopt-ort,graphopt-inductor,graphopt-inductor-low,graphopt-cl-fuse,graphopt-low-cl-graph,compile-freeze-cl,compile-freeze-amp-cl,ort-plain,ort-plain-again,openvino,openvino-f32,openvino-f32-again,graphopt-int8,graphopt-int8-1e-1,graphopt-openvino-int8,graphopt-ort-int8,graphopt-tune-int8,openvino-int8,pt2e-int8
 bench: $(BENCH_STAMP)
 	$(VENV)/bin/graphopt bench --models anchors --batch 8 --rounds 10 --variants '$(ANCHOR_VARIANTS)' $(BENCH_ARGS)
 

@@ -163,7 +163,8 @@ class ModelResult:
 
     @property
     def noise_floor(self) -> float | None:
-        """How far apart two identical copies of one peer timed: the median of their per-round ratios (None: not run)."""
+        """How far apart two identical copies of one peer timed: the median of their per-round ratios, for the first
+        noise copy that ran in variant order (onnxruntime's, else OpenVINO f32's; None: none ran)."""
         return next((ratio for ours, _, ratio in self.engine_pairs() if ours.role == "noise"), None)
 
     def roofline(self, variant: VariantResult | None, rates: dict[str, float], low_precision: str) -> float | None:
@@ -394,7 +395,8 @@ def _engine_pairs_table(models: list[ModelResult]) -> list[str]:
     return [
         "",
         "The same engine used directly and through graphopt (direct time / graphopt time, median of per-round ratios; "
-        "> 1: graphopt is faster), and the run's noise floor (OpenVINO f32 against an identical copy of itself):",
+        "> 1: graphopt is faster), and the run's noise floor (onnxruntime on the plain export against an identical copy "
+        "of itself, or OpenVINO f32's where it did not run):",
         "",
         "| model | engine used directly | through graphopt | direct vs graphopt | noise floor |",
         "|---|---|---|---|---|",

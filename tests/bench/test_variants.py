@@ -43,10 +43,12 @@ def test_each_engine_through_graphopt_is_paired_with_the_same_engine_used_direct
     assert pairs == {
         "graphopt-openvino": "openvino-f32", "graphopt-openvino-low": "openvino", "graphopt-ort": "ort-plain", "graphopt-inductor": "compile-freeze-cl",
         "graphopt-inductor-low": "compile-freeze-amp-cl", "graphopt-openvino-int8": "openvino-int8", "openvino-f32-again": "openvino-f32",
+        "ort-plain-again": "ort-plain",
     }  # fmt: skip
     assert all(by_key[direct].role == "peer" for direct in pairs.values())
-    (noise,) = [variant for variant in by_key.values() if variant.role == "noise"]
-    assert noise.precision == by_key[noise.direct].precision
+    noises = [variant for variant in by_key.values() if variant.role == "noise"]
+    assert [noise.key for noise in noises] == ["ort-plain-again", "openvino-f32-again"]
+    assert all(noise.precision == by_key[noise.direct].precision for noise in noises)
 
 
 def openvino_native_bf16() -> bool:
