@@ -1,4 +1,4 @@
-"""The Inductor engine built directly: freezing, one compiled graph for every call, bf16, its errors, its settings.
+"""The Inductor engine built directly: freezing, a graph compiled for the example's shapes and one for every other call, bf16, its errors, its settings.
 
 What every engine does through ``optimize(engine=...)`` (verified on a second input, a token
 model at other batch sizes and sequence lengths, a saved result loaded in a fresh process,
@@ -67,7 +67,7 @@ def bf16(model: nn.Module, example: torch.Tensor) -> inductor_engine.InductorRun
     return built(model, (example,), BATCH, "bf16")
 
 
-def test_one_compiled_graph_serves_other_batches_strides_and_inference_tensors(fp32: inductor_engine.InductorRunner, model: nn.Module, example: torch.Tensor) -> None:
+def test_the_compiled_graphs_serve_other_batches_strides_and_inference_tensors(fp32: inductor_engine.InductorRunner, model: nn.Module, example: torch.Tensor) -> None:
     before = compiled_graphs()
     other = torch.randn(5, 3, 12, 12)
     with torch.no_grad():
@@ -82,6 +82,30 @@ def test_one_compiled_graph_serves_other_batches_strides_and_inference_tensors(f
         assert_matches(expected_other, fp32(other.clone()))
     assert_matches(expected_other, fp32(other.clone().requires_grad_()))
     assert compiled_graphs() == before  # every call ran the graph compiled (and frozen) in build
+
+
+def test_the_examples_shapes_run_on_a_graph_compiled_for_them_other_sizes_on_the_dynamic_one(
+    fp32: inductor_engine.InductorRunner, example: torch.Tensor
+) -> None:
+    assert fp32.example_compiled is not fp32.compiled
+    calls: list[tuple[str, int]] = []
+    originals = {name: getattr(fp32, name) for name in ("compiled", "example_compiled")}
+
+    def spy(name: str) -> Any:
+        return lambda *args: calls.append((name, args[0].shape[0])) or originals[name](*args)
+
+    try:
+        for name in originals:
+            object.__setattr__(fp32, name, spy(name))  # held, not registered, as the runner holds them
+        before = compiled_graphs()
+        fp32(example), fp32(torch.randn(5, 3, 12, 12)), fp32(example.contiguous(memory_format=torch.channels_last))
+        assert compiled_graphs() == before, "both were compiled in build"
+    finally:
+        for name, original in originals.items():
+            object.__setattr__(fp32, name, original)
+    assert calls == [("example_compiled", 2), ("compiled", 5), ("example_compiled", 2)]
+    fixed = built(Scale().eval(), (torch.randn(3, 6),), (frozenset(),))  # nothing dynamic: one graph, compiled once
+    assert fixed.example_compiled is fixed.compiled
 
 
 def test_the_callers_graph_and_inputs_are_left_alone(model: nn.Module) -> None:
@@ -215,7 +239,7 @@ def test_load_compiles_the_saved_graph_again_in_a_fresh_process(bf16: inductor_e
     assert 1e-5 < float(error) <= tolerance_for(torch.bfloat16)  # bf16 again, at the saved dynamic batch
 
 
-def test_optimize_verifies_and_serves_the_one_graph_compiled_in_bf16(model: nn.Module) -> None:
+def test_optimize_verifies_and_serves_the_graphs_compiled_in_bf16(model: nn.Module) -> None:
     x, other = torch.randn(2, 3, 12, 12), torch.randn(3, 3, 12, 12)
     before = compiled_graphs()
     optimized = graphopt.optimize(model, x, engine="inductor", precision="bf16")
@@ -224,7 +248,8 @@ def test_optimize_verifies_and_serves_the_one_graph_compiled_in_bf16(model: nn.M
     assert 1e-5 < report.max_error <= tolerance_for(torch.bfloat16) and report.second_input_error is not None
     with torch.no_grad():
         assert_matches(model(other), optimized(other), compute_dtype=torch.bfloat16)
-    assert compiled_graphs() == before + 1  # the example, the second input and the call all ran the graph built
+    # the example's shapes and the other sizes, each compiled once in build: the second input and the call compile nothing
+    assert compiled_graphs() == before + 2
 
 
 class _PerRow(nn.Module):
