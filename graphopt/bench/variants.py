@@ -9,8 +9,9 @@ rounds under ``torch.inference_mode()``.
 Roles: ``baseline`` (eager fp32, what every ratio divides), ``graphopt`` (graphopt's
 public API: ``graphopt.optimize`` presets and ``graphopt.export_onnx`` run by
 onnxruntime), ``peer`` (everything graphopt has to beat) and ``noise`` (a second, identical
-copy of a peer, onnxruntime on the plain export and OpenVINO f32 (which cannot convert ViT-B/16):
-how far apart two copies of one thing time in this run, the noise floor every ratio is read against). A graphopt variant on an engine names in ``direct``
+copy of a peer, onnxruntime on the plain export and OpenVINO f32, which cannot convert
+ViT-B/16: how far apart two copies of one thing time in this run, the noise floor every ratio
+is read against). A graphopt variant on an engine names in ``direct``
 the peer that runs the same engine on the model directly: the results pair them (an engine
 must never be slower through graphopt than used directly). ``class_default`` marks the
 graphopt variant a user gets without choosing anything for a precision class: the
