@@ -99,13 +99,17 @@ class InductorRunner(EngineRunner):
         leaves, spec = pytree.tree_flatten(args)
         with torch.inference_mode(False), torch.no_grad():  # copies made here are normal tensors, as the compiled ones were
             leaves = [leaf if memory_format is None else _as_compiled(leaf, memory_format) for leaf, memory_format in zip(leaves, self.input_formats, strict=True)]
-        return self.run_compiled(pytree.tree_unflatten(leaves, spec))
+        return self.call(self._compiled_for(leaves), pytree.tree_unflatten(leaves, spec))
 
     def run_compiled(self, args: tuple[Any, ...]) -> Any:
         """Call the graph compiled for ``args``' shapes (the example's, or the dynamic one) on them as they are (the
         first call of each compiles it)."""
-        shapes = [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(args)]
-        return self.call(self.example_compiled if shapes == self.example_shapes else self.compiled, args)
+        return self.call(self._compiled_for(pytree.tree_leaves(args)), args)
+
+    def _compiled_for(self, leaves: list[Any]) -> Any:
+        """`example_compiled` for input leaves of the example's shapes, else `compiled`."""
+        shapes = [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+        return self.example_compiled if shapes == self.example_shapes else self.compiled
 
     def call(self, compiled: Any, args: tuple[Any, ...]) -> Any:
         """``compiled`` (`compiled` or `example_compiled`) on ``args`` as they are, at the engine's precision."""
