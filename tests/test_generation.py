@@ -119,7 +119,7 @@ def test_tune_has_every_engine_that_generates_among_its_candidates_or_the_engine
     monkeypatch.setattr(graphopt.generation_build, "build", build)
     monkeypatch.setattr(tuning, "measure_latencies", lambda runs, budget_s: timing.Ranking.of({name: [1e-3 if name.startswith("inductor") else 2e-3] * 5 for name in runs}))
     ids, mask = prompt(2, 6, padded=2)
-    model = tiny("gpt2")
+    model = tiny("gpt2", n_layer=1)  # one layer is enough: no candidate is built, what is under test is which ones tune asks for
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, tune=True)
     assert all(info.generates for info in ENGINES.values())
     assert built == [name for name, info in ENGINES.items() if not info.missing()] and {"onnxruntime", "inductor"} <= set(built)
@@ -207,7 +207,7 @@ def test_what_generate_does_not_take_is_refused_saying_what_to_do(optimized: Any
 
 
 def test_a_generation_config_setting_it_does_not_apply_is_refused() -> None:
-    model = tiny("gpt2")
+    model = tiny("gpt2", n_layer=1)  # one layer is enough: what is under test is the refusal of the config's setting
     model.generation_config.repetition_penalty = 1.2
     ids, mask = prompt(1, 6)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse=False)  # verified greedy, which it also sets; not compiled

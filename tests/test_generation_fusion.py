@@ -1,6 +1,6 @@
 """optimize(fuse=...) of a causal language model: the decode graph's pointwise regions are compiled (the prefill keeps
 its ops), the report says so, and generate() gives the original's tokens at another batch size and prompt length.
-A tiny Llama (tests.test_generation's). fuse="graph" and the default compile the whole decode graph:
+A tiny Llama (tests.test_generation's, one layer). fuse="graph" and the default compile the whole decode graph:
 tests/test_generation_compile.py."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def regions(graph: torch.fx.GraphModule) -> list[torch.nn.Module]:
 
 
 def test_fuse_compiles_the_decode_graphs_pointwise_regions_and_generates_the_originals_tokens() -> None:
-    model = tiny("llama")
+    model = tiny("llama", num_hidden_layers=1)  # one layer has every kind of region; each layer more adds compiles, not cases
     ids, mask = prompt(2, 6, padded=2)
     fast = graphopt.optimize(model, {"input_ids": ids, "attention_mask": mask}, fuse="inductor")
     steps, report = fast.generator.steps, fast.graphopt_report.generation

@@ -89,7 +89,7 @@ def _scale_the_first_linear(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def test_passes_that_break_the_graphs_are_rolled_back_with_a_warning_and_the_graphs_run_as_captured() -> None:
-    model = tiny("llama")
+    model = tiny("llama", num_hidden_layers=1)  # one layer is enough: the broken pass scales the first linear
     ids, mask = prompt(2, 6, padded=2)
     broken = PassInfo("scale_the_first_linear", _scale_the_first_linear, ("inference",), "a broken pass")
     with pytest.warns(VerificationWarning, match="rolled back its passes on the generation graphs, which failed verification: step 1 logits differ"):

@@ -2,7 +2,8 @@
 that loads the file generates the original model's tokens (greedy, and sampled from a seed), on PyTorch and on OpenVINO;
 the report and the refusals come back with it; a changed file raises `LoadError`, a bad command line a message.
 
-Tiny GPT-2 and Llama (tests.test_generation's, random weights, two layers), each optimized and saved once for the module;
+Tiny GPT-2 and Llama (tests.test_generation's, random weights, one layer: saving and loading do not depend on the depth,
+and each layer adds to every export, conversion and compile here), each optimized and saved once for the module;
 one fresh process loads every file. The GPT-2 on PyTorch has its linears on oneDNN (use_onednn_linear, told by a stub timer
 that they are faster, its size threshold lowered): the file keeps graphopt's passes, and the loaded graphs run them.
 """
@@ -48,6 +49,7 @@ CASES = [  # each model and each engine once (the suite's time: every case is op
 SAMPLING = {"do_sample": True, "top_k": 20, "temperature": 0.8}
 SEED = 5
 NEW_TOKENS = 8
+LAYERS = 1  # of each tiny model (see the module's docstring)
 AGAIN = "Save the module again."
 LINEAR_PASS = importlib.import_module("graphopt.passes.use_onednn_linear")  # the module (graphopt.passes names the function)
 ONEDNN_LINEARS = ("mkldnn._linear_pointwise.default", "graphopt.linear_add.default")  # the graphs' linears on oneDNN
@@ -91,7 +93,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cases: dict[str, Any] = {"folder": folder}
     for name in [param.values[0] for param in CASES if not param.marks or not ENGINES["openvino"].missing()]:
         kind, engine = name.split("-")
-        model = tiny(kind)
+        model = tiny(kind, **({"n_layer": LAYERS} if kind == "gpt2" else {"num_hidden_layers": LAYERS}))
         ids, mask = prompt(2, 6, padded=2)
         with pytest.MonkeyPatch.context() as patch:  # on PyTorch: every linear on oneDNN, measured faster by a stub
             patch.setattr(LINEAR_PASS, "MIN_WEIGHT_ELEMENTS", 1)
@@ -131,7 +133,7 @@ def test_the_loaded_report_and_refusals_are_the_saved_modules(name: str, saved: 
     assert fresh[name]["report"] == repr(fast.graphopt_report.generation)
     steps = fast.generator.steps
     linears = sum(str(node.target) in ONEDNN_LINEARS for graph in steps.graphs if hasattr(graph, "graph") for node in graph.graph.nodes)
-    assert fresh[name]["onednn_linears"] == linears == (0 if name.endswith("openvino") else 18)  # 2 layers x 4, and the head, per graph
+    assert fresh[name]["onednn_linears"] == linears == (0 if name.endswith("openvino") else 2 * (4 * LAYERS + 1))  # 4 per layer, and the head, per graph
     # the decode graph ran compiled by Inductor (the default): the fresh process compiled it again
     assert fresh[name]["compiled"] == ("InductorStepRunner" if name.endswith("pytorch") else None) and steps.compiled_decode == name.endswith("pytorch")
     assert fast.graphopt_report.generation.engine == name.split("-")[1]

@@ -93,7 +93,7 @@ def test_the_key_holds_the_engines_and_graphopts_versions_and_the_cpu_and_remeas
         raise Stop
 
     monkeypatch.setattr(tuning, "tune_generation", record)
-    model = tiny("gpt2")
+    model = tiny("gpt2", n_layer=1)  # one layer is enough: each optimize below runs up to tune_generation, what the key holds is under test
     ids, mask = prompt(2, 6, padded=2)
 
     def key_of(**options: Any) -> tuple[str | None, bool]:
