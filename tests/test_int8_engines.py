@@ -203,8 +203,9 @@ def test_tune_with_calibration_tries_each_engines_int8(digits_cnn: Any, tmp_path
 class FakeEngine:
     """An engine whose quantized error is the sum of the errors of the layers it quantizes."""
 
-    def __init__(self, errors: dict[str, float]) -> None:
+    def __init__(self, errors: dict[str, float], others: float = 0.0) -> None:
         self.errors = errors
+        self.others = others  # what it quantizes besides the layers costs, whichever layers are in float
         self.quantized: list[frozenset[str]] = []
 
     def quantize(self, in_float: frozenset[str]) -> frozenset[str]:
@@ -212,7 +213,7 @@ class FakeEngine:
         return in_float
 
     def error(self, in_float: frozenset[str]) -> float:
-        return sum(error for path, error in self.errors.items() if path not in in_float)
+        return self.others + sum(error for path, error in self.errors.items() if path not in in_float)
 
 
 def layers(errors: dict[str, float]) -> list[Int8Layer]:
@@ -241,9 +242,24 @@ def test_within_budget_gives_none_when_no_layer_fits() -> None:
     engine = FakeEngine(errors)
     outcome = within_budget(lambda: layers(errors), 0.05, engine.quantize, engine.error)
     assert outcome.built is None and set(outcome.in_float) == {"a", "b"}
-    # both over alone: nothing left to try in int8 by the ranking; then each alone on the engine, over the budget too
-    assert engine.quantized == [frozenset(), frozenset({"b"}), frozenset({"a"})]
-    assert outcome.quantizations == 3
+    # both over alone: nothing left to try in int8 by the ranking; every layer in float is within the budget, so each
+    # alone on the engine, over the budget too
+    assert engine.quantized == [frozenset(), frozenset({"a", "b"}), frozenset({"b"}), frozenset({"a"})]
+    assert outcome.quantizations == 4 and outcome.floor == 0.0
+    assert not any("no choice of layers" in line for line in outcome.notes(layers(errors), 0.05, "NNCF"))
+
+
+def test_within_budget_stops_where_the_engines_other_int8_ops_are_over_it_alone() -> None:
+    errors = {"a": 0.001, "b": 0.002, "c": 0.003}
+    engine = FakeEngine(errors, others=0.07)  # NNCF's int8 of the activations before additions and products, say
+    outcome = within_budget(lambda: layers(errors), 0.05, engine.quantize, engine.error)
+    # the ranking's search puts every layer in float by steps; then all of them in float once: 7e-2 still, so no
+    # layer is measured alone on the engine (that would be one quantization per layer)
+    every = frozenset(errors)
+    assert engine.quantized[-1] == every and every - {"a"} not in engine.quantized
+    assert outcome.built is None and outcome.floor == pytest.approx(0.07) and outcome.quantizations == len(engine.quantized)
+    notes = outcome.notes(layers(errors), 0.05, "NNCF")
+    assert "with every conv and linear in float, NNCF's int8 of the other ops it quantizes still changed the output by 7.0e-02" in notes[1]
 
 
 def test_within_budget_measures_each_layer_on_the_engine_where_the_ranking_missed_the_culprit() -> None:
@@ -251,6 +267,7 @@ def test_within_budget_measures_each_layer_on_the_engine_where_the_ranking_misse
     ranked_in_pytorch = {"a": 0.001, "b": 0.02, "c": 0.03}  # fake quantization in PyTorch ranks "a" last
     outcome = within_budget(lambda: layers(ranked_in_pytorch), 0.05, engine.quantize, engine.error)
     assert engine.quantized[:2] == [frozenset(), frozenset({"c"})]  # the ranking's search: "c", then everything in float
-    assert engine.quantized[2:5] == [frozenset({"b", "c"}), frozenset({"a", "c"}), frozenset({"a", "b"})]  # each alone on the engine
-    assert outcome.built == frozenset({"a"}) and outcome.error == pytest.approx(0.02) and outcome.quantizations == 6
+    assert engine.quantized[2] == frozenset({"a", "b", "c"})  # every layer in float: within the budget, so the layers are the cause
+    assert engine.quantized[3:6] == [frozenset({"b", "c"}), frozenset({"a", "c"}), frozenset({"a", "b"})]  # each alone on the engine
+    assert outcome.built == frozenset({"a"}) and outcome.error == pytest.approx(0.02) and outcome.quantizations == 7
     assert outcome.in_float == {"a": "alone in int8 on the engine it changes the output by 6.0e-02 of its scale, over accuracy=0.05"}

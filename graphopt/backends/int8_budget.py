@@ -18,7 +18,11 @@ as its own `quantize_int8` pass does, and tells them which layers to leave in fl
    when that is over the budget are the layers ranked (2.): those over the budget alone stay in
    float, and while the result is over the budget, the layers with the largest errors alone go
    back to float too (one, then two, four, ...: a few quantizations, not one per layer). Where
-   that leaves none in int8, the PyTorch ranking missed what the engine's int8 does to some layer
+   that leaves none in int8, the engine quantizes once more with every layer in float: still over
+   the budget, the ops it quantizes besides the layers are the cause (NNCF's int8 of EfficientNet-B0's
+   additions, means and products alone: 5.4e-2 of the output's scale), no choice of layers can
+   help, and the search stops (it went on to quantize once per layer: 89 quantizations on that
+   model, for nothing). Within the budget, the PyTorch ranking missed what the engine's int8 does to some layer
    (on an AMX Xeon, OpenVINO's int8 of the digits CNN's one-channel first conv alone reaches 6.7e-2,
    while fake quantization says 2.3e-3): each layer alone is measured on the engine (one
    quantization per layer) and the search runs again on that ranking. Where none is left in int8
@@ -67,6 +71,9 @@ class Int8Outcome(Generic[Built]):
     error: float  # the result's largest output error on the example inputs and calibration batches
     in_float: dict[str, str] = field(default_factory=dict)  # layer path -> why it stays in float
     quantizations: int = 0  # how many times the engine quantized
+    # where no layer stayed in int8: the error with every layer in float, what the engine's int8 of the ops it quantizes
+    # besides them (the activations before additions, means and products: NNCF's defaults) costs alone; None: not measured
+    floor: float | None = None
 
     def notes(self, layers: Sequence[Int8Layer], accuracy: float, engine: str) -> list[str]:
         """The report's lines: how many layers run in int8, the error reached, and each layer kept in float with why."""
@@ -75,6 +82,11 @@ class Int8Outcome(Generic[Built]):
             f"{int8} of {len(layers)} convs/linears in int8 by {engine} ({self.quantizations} quantization(s)); output error at most "
             f"{self.error:.1e} of its scale on the example inputs and the calibration batches, accuracy={accuracy:g}"
         ]
+        if self.floor is not None and self.floor > accuracy:
+            lines.append(
+                f"with every conv and linear in float, {engine}'s int8 of the other ops it quantizes still changed the output by "
+                f"{self.floor:.1e}, over accuracy={accuracy:g}: no choice of layers in float brings it within, so the search stopped there"
+            )
         return lines + [f"{path}: kept in float: {reason}" for path, reason in self.in_float.items()]
 
 
@@ -141,7 +153,9 @@ def within_budget(
     ``error(result)``: its largest output error on the checks. Every layer in int8 is tried first;
     over the budget, ``rank()`` gives the layers with their errors alone (`sensitivity`), those over
     the budget alone go to float, and while the result is over the budget the next 1, 2, 4, ...
-    layers by error alone join them. Where that leaves no layer in int8, the ranking (measured in
+    layers by error alone join them. Where that leaves no layer in int8, every layer goes to float
+    once: over the budget still, what the engine quantizes besides them is the cause, no choice of
+    layers helps, and the search stops (`Int8Outcome.floor`). Within it, the ranking (measured in
     PyTorch) missed what the engine's own int8 does to a layer (OpenVINO's int8 convolution of a
     one-channel image on AMX): each layer's error alone is then measured on the engine itself (one
     quantization per layer) and the search runs again on that ranking.
@@ -156,6 +170,9 @@ def within_budget(
     if outcome.built is not None or len(layers) < 2:
         return outcome
     every = frozenset(layer.path for layer in layers)
+    outcome.floor, outcome.quantizations = error(quantize(every)), outcome.quantizations + 1
+    if outcome.floor > accuracy:  # what the engine quantizes besides the layers is over the budget alone: no choice of them helps
+        return outcome
     on_engine = [replace(layer, error=error(quantize(every - {layer.path}))) for layer in layers]
     second = _search(on_engine, accuracy, quantize, error, reached, "alone in int8 on the engine")
     second.quantizations += outcome.quantizations + len(layers)
